@@ -1,0 +1,113 @@
+"""NVFP4 codec, bit-exact with ``reference.nvfp4``.
+
+E2M1 codes (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; sign in bit 3), one E4M3
+scale per 16 consecutive channels, one float32 global scale per tensor. The
+global scale is the decode multiplier: ``x ~ e2m1 * float32(scale) * global``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from . import numerics
+from .codec_spec import NVFP4_BLOCK_SIZE, CodecSpec
+from .nibbles import pack_nibbles, unpack_nibbles
+from .packed import Packed
+
+GLOBAL_SCALE_DIVISOR = 6.0 * 448.0
+AMAX_FLOOR = 1e-12
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def global_scale_from_amax(amax: jax.Array, implementation: str | None = None) -> jax.Array:
+    """Default global scale ``max(amax, 1e-12) / (6 * 448)`` as float32 ``[]``.
+
+    Use it to fix the global scale of a streamed cache from a calibrated amax.
+    """
+    implementation = numerics.resolve_implementation(implementation)
+    amax = jnp.maximum(jnp.asarray(amax, jnp.float32), jnp.float32(AMAX_FLOOR))
+    return numerics.divide(amax, jnp.float32(GLOBAL_SCALE_DIVISOR), implementation)
+
+
+def e2m1_code(magnitude: jax.Array) -> jax.Array:
+    """3-bit E2M1 code of float32 magnitudes >= 0: nearest, ties to even, saturating.
+
+    The thresholds are the midpoints between neighbouring magnitudes; at a
+    midpoint the even code wins, hence the alternation of ``>`` and ``>=``.
+    """
+    return (
+        (magnitude > 0.25).astype(jnp.uint8)
+        + (magnitude >= 0.75)
+        + (magnitude > 1.25)
+        + (magnitude >= 1.75)
+        + (magnitude > 2.5)
+        + (magnitude >= 3.5)
+        + (magnitude > 5.0)
+    ).astype(jnp.uint8)
+
+
+def _blocks(x: jax.Array) -> jax.Array:
+    """``[T, H, C]`` -> ``[T, H, ceil(C/16), 16]``, zero padded."""
+    channels = x.shape[-1]
+    padded = math.ceil(channels / NVFP4_BLOCK_SIZE) * NVFP4_BLOCK_SIZE
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, padded - channels)])
+    return x.reshape(*x.shape[:2], -1, NVFP4_BLOCK_SIZE)
+
+
+def block_scales(block_amax: jax.Array, global_scale: jax.Array, implementation: str) -> jax.Array:
+    """float32 E4M3 values ``clamp(amax16 / (6 * global), 2**-9, 448)`` rounded RNE."""
+    six_global = jnp.float32(6.0) * global_scale
+    local = numerics.divide(block_amax, six_global, implementation)
+    local = jnp.clip(local, numerics.E4M3_MIN_SUBNORMAL, numerics.E4M3_MAX)
+    return numerics.round_to_e4m3(local)
+
+
+def encode_nvfp4(
+    x: jax.Array, spec: CodecSpec, implementation: str, global_scale: jax.Array | None = None
+) -> Packed:
+    """Encode ``x`` ``[T, H, C]`` (float32/bfloat16/float16) as NVFP4.
+
+    Args:
+      global_scale: float32 ``[]`` decode multiplier; None derives it from this
+        tensor's amax (see :func:`global_scale_from_amax`).
+    """
+    x = x.astype(jnp.float32)
+    origin = "given" if global_scale is not None else "tensor_amax"
+    if global_scale is None:
+        global_scale = global_scale_from_amax(jnp.max(jnp.abs(x)), implementation)
+    global_scale = jnp.asarray(global_scale, jnp.float32).reshape(())
+    blocks = _blocks(x)
+    magnitudes = jnp.abs(blocks)
+    scale = block_scales(magnitudes.max(axis=-1), global_scale, implementation)
+    denominator = scale * global_scale
+    quotient = numerics.divide(magnitudes, denominator[..., None], implementation)
+    sign = jnp.signbit(blocks).astype(jnp.uint8) << 3
+    codes = (e2m1_code(quotient) | sign).reshape(*x.shape[:2], -1)[..., : x.shape[2]]
+    return Packed(
+        payload=pack_nibbles(codes),
+        scale=scale.astype(jnp.float8_e4m3fn),
+        minimum=None,
+        global_scale=global_scale,
+        spec=spec,
+        shape=tuple(x.shape),
+        global_scale_origin=origin,
+    )
+
+
+def e2m1_values(codes: jax.Array) -> jax.Array:
+    """float32 values of 4-bit E2M1 codes (sign in bit 3)."""
+    table = jnp.array(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), jnp.float32)
+    return table[codes.astype(jnp.int32)]
+
+
+def decode_nvfp4(packed: Packed) -> jax.Array:
+    """float32 ``[T, H, C]``: ``(e2m1 * float32(scale)) * global_scale``."""
+    shape = packed.shape
+    values = e2m1_values(unpack_nibbles(packed.payload, shape[2]))
+    values = _blocks(values)
+    local = packed.scale.astype(jnp.float32)[..., None]
+    decoded = (values * local) * packed.global_scale
+    return decoded.reshape(*shape[:2], -1)[..., : shape[2]]

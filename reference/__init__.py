@@ -1,0 +1,22 @@
+"""Independent numpy scalar oracles that define jflashloop's semantics.
+
+Installed as ``jflashloop_reference``. Plain element-by-element numpy and
+Python: slow, small and obviously right. Never imports jax or jflashloop.
+"""
+
+from . import floats, int4, nvfp4
+from .int4 import decode_int4, encode_int4, pack_nibbles, unpack_nibbles
+from .nvfp4 import decode_nvfp4, encode_nvfp4, global_scale_from_amax
+
+__all__ = [
+    "decode_int4",
+    "decode_nvfp4",
+    "encode_int4",
+    "encode_nvfp4",
+    "floats",
+    "global_scale_from_amax",
+    "int4",
+    "nvfp4",
+    "pack_nibbles",
+    "unpack_nibbles",
+]
