@@ -70,9 +70,12 @@ def encode(
         return encode_int4(x, spec, implementation)
     if global_scale is not None and not isinstance(global_scale, jax.core.Tracer):
         value = np.asarray(global_scale, dtype=np.float64)
-        if value.shape not in ((), (1,)) or not (np.isfinite(value).all() and (value > 0).all()):
+        if value.shape not in ((), (1,)) or not (
+            np.isfinite(value).all() and (value >= np.finfo(np.float32).tiny).all()
+        ):
             raise ValueError(
-                f"global_scale must be one finite positive number, got {np.asarray(global_scale)!r}"
+                "global_scale must be one finite positive float32 normal number (>= 2**-126), "
+                f"got {np.asarray(global_scale)!r}"
             )
     return encode_nvfp4(x, spec, implementation, global_scale)
 

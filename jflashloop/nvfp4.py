@@ -103,11 +103,31 @@ def e2m1_values(codes: jax.Array) -> jax.Array:
     return table[codes.astype(jnp.int32)]
 
 
+def _split_power_of_two(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x = mantissa * power`` exactly, ``mantissa`` in [1, 2), ``power`` a power of two.
+
+    For positive normal float32 ``x`` (integer arithmetic on the bits).
+    """
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    exponent_bits = bits & jnp.uint32(0x7F800000)
+    mantissa = jax.lax.bitcast_convert_type((bits & jnp.uint32(0x807FFFFF)) | jnp.uint32(0x3F800000), jnp.float32)
+    power = jax.lax.bitcast_convert_type(exponent_bits, jnp.float32)
+    return mantissa, power
+
+
 def decode_nvfp4(packed: Packed) -> jax.Array:
-    """float32 ``[T, H, C]``: ``(e2m1 * float32(scale)) * global_scale``."""
+    """float32 ``[T, H, C]``: ``(e2m1 * float32(scale)) * global_scale``.
+
+    The global multiply is done as ``((e2m1 * scale) * mantissa) * 2**k`` with
+    ``global_scale = mantissa * 2**k``: the same value (scaling by a power of
+    two is exact), but the last product is exact, so a compiler that fuses it
+    with a consumer's addition (XLA on CPU contracts ``a * b + c`` into one
+    fused multiply-add) cannot change the sum.
+    """
     shape = packed.shape
     values = e2m1_values(unpack_nibbles(packed.payload, shape[2]))
     values = _blocks(values)
     local = packed.scale.astype(jnp.float32)[..., None]
-    decoded = (values * local) * packed.global_scale
+    mantissa, power = _split_power_of_two(packed.global_scale)
+    decoded = ((values * local) * mantissa) * power
     return decoded.reshape(*shape[:2], -1)[..., : shape[2]]

@@ -4,11 +4,12 @@ Installed as ``jflashloop_reference``. Plain element-by-element numpy and
 Python: slow, small and obviously right. Never imports jax or jflashloop.
 """
 
-from . import floats, int4, nvfp4
+from . import attention, floats, int4, nvfp4, paged_cache
 from .int4 import decode_int4, encode_int4, pack_nibbles, unpack_nibbles
 from .nvfp4 import decode_nvfp4, encode_nvfp4, global_scale_from_amax
 
 __all__ = [
+    "attention",
     "decode_int4",
     "decode_nvfp4",
     "encode_int4",
@@ -18,5 +19,6 @@ __all__ = [
     "int4",
     "nvfp4",
     "pack_nibbles",
+    "paged_cache",
     "unpack_nibbles",
 ]

@@ -209,7 +209,7 @@ def test_encode_rejects_bad_input():
         jflashloop.encode(jnp.ones((4, 2, 8), jnp.int32), jflashloop.INT4_KEYS)
     with pytest.raises(ValueError, match="NVFP4 only"):
         jflashloop.encode(jnp.ones((4, 2, 8)), jflashloop.INT4_KEYS, global_scale=1.0)
-    with pytest.raises(ValueError, match="finite positive"):
+    with pytest.raises(ValueError, match="finite positive float32"):
         jflashloop.encode(jnp.ones((4, 2, 8)), jflashloop.NVFP4, global_scale=0.0)
     with pytest.raises(ValueError, match="implementation"):
         jflashloop.encode(jnp.ones((4, 2, 8)), jflashloop.NVFP4, implementation="cuda")

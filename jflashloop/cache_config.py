@@ -1,0 +1,170 @@
+"""Static configuration of a paged cross-loop KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .codec_spec import INT4_KEYS, INT4_VALUES, CodecSpec
+
+SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopStorage:
+    """How one loop's K and V are stored.
+
+    Attributes:
+      key_spec, value_spec: codecs of this loop's stream (the base for loop 1,
+        the residual against the reconstructed predecessor for later loops).
+      sparse_rows_per_page: None for a dense loop (every token stored); an int
+        for a compact sparse residual: at most this many token rows of each
+        page (per KV head) carry a residual, the others inherit the previous
+        loop. Sparse codecs must group per token (``axis="token"``) so a
+        compact row never shares metadata with another row.
+    """
+
+    key_spec: CodecSpec = INT4_KEYS
+    value_spec: CodecSpec = INT4_VALUES
+    sparse_rows_per_page: int | None = None
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.sparse_rows_per_page is not None
+
+
+def sparse_loop(fraction: float, page_size: int, spec: CodecSpec = INT4_VALUES) -> LoopStorage:
+    """A sparse loop storing ``ceil(fraction * page_size)`` rows per page."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    return LoopStorage(spec, spec, max(1, math.ceil(fraction * page_size)))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Shapes and policy of a :class:`~jflashloop.PagedKVCache` (static under jit).
+
+    Attributes:
+      num_layers, num_kv_heads, head_dim: model shape.
+      num_pages: pages in the shared pool (per layer, same ids in every layer).
+      max_sequences: sequence slots (rows of the block table).
+      max_pages_per_sequence: block-table width; a sequence holds at most
+        ``max_pages_per_sequence * page_size`` tokens.
+      loops: one :class:`LoopStorage` per loop (1 for an ordinary model); loop
+        1 must be dense.
+      page_size: tokens per page (16, 32, 64 or 128). Every quantization group
+        lies inside one page: channel-axis K groups must divide the page size.
+      sink_tokens: first tokens of each sequence kept in ``window_dtype``.
+      recent_tokens: most recent tokens of each sequence kept in ``window_dtype``.
+      window_dtype: dtype of the unquantized windows (``"bfloat16"``).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    max_sequences: int
+    max_pages_per_sequence: int
+    loops: tuple[LoopStorage, ...] = (LoopStorage(),)
+    page_size: int = 64
+    sink_tokens: int = 4
+    recent_tokens: int = 16
+    window_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "num_pages", "max_sequences",
+                     "max_pages_per_sequence"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
+        if self.page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(f"CacheConfig.page_size must be one of {SUPPORTED_PAGE_SIZES}, got {self.page_size}")
+        if not isinstance(self.loops, tuple) or not self.loops:
+            raise ValueError("CacheConfig.loops must be a non-empty tuple of LoopStorage")
+        if self.loops[0].is_sparse:
+            raise ValueError("CacheConfig.loops[0] (the base) must be dense")
+        if not 0 <= self.sink_tokens < self.page_size:
+            raise ValueError(
+                f"CacheConfig.sink_tokens must be in [0, page_size={self.page_size}), got {self.sink_tokens}"
+            )
+        if self.recent_tokens < 0:
+            raise ValueError(f"CacheConfig.recent_tokens must be >= 0, got {self.recent_tokens}")
+        if self.window_dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"CacheConfig.window_dtype must be bfloat16, float16 or float32, got {self.window_dtype!r}")
+        for index, loop in enumerate(self.loops):
+            for role, spec in (("key_spec", loop.key_spec), ("value_spec", loop.value_spec)):
+                where = f"CacheConfig.loops[{index}].{role}"
+                if not isinstance(spec, CodecSpec):
+                    raise TypeError(f"{where} must be a CodecSpec, got {type(spec).__name__}")
+                if spec.axis == "channel" and loop.is_sparse:
+                    raise ValueError(f"{where}: a sparse loop must group per token (axis='token')")
+                if spec.axis == "channel" and self.page_size % spec.group_size:
+                    raise ValueError(
+                        f"{where}: channel-axis group_size {spec.group_size} must divide the "
+                        f"page size {self.page_size} so no group spans two pages"
+                    )
+            if loop.is_sparse and not 1 <= loop.sparse_rows_per_page <= self.page_size:
+                raise ValueError(
+                    f"CacheConfig.loops[{index}].sparse_rows_per_page must be in [1, {self.page_size}], "
+                    f"got {loop.sparse_rows_per_page}"
+                )
+
+    @property
+    def num_loops(self) -> int:
+        return len(self.loops)
+
+    @property
+    def window_tokens(self) -> int:
+        """Capacity of each sequence's ring of recent unquantized tokens.
+
+        It holds the recent window and the page still being filled (a K group
+        needs all of its rows before it can be encoded).
+        """
+        return max(self.recent_tokens, self.page_size)
+
+    @property
+    def max_tokens_per_sequence(self) -> int:
+        return self.max_pages_per_sequence * self.page_size
+
+    def rows(self, loop: int) -> int:
+        """Stored rows per page of loop ``loop`` (0-based)."""
+        storage = self.loops[loop]
+        return storage.sparse_rows_per_page if storage.is_sparse else self.page_size
+
+    @classmethod
+    def flashloop(
+        cls,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        max_sequences: int,
+        max_pages_per_sequence: int,
+        num_loops: int = 4,
+        page_size: int = 64,
+        sparse_fractions: tuple[float, ...] = (0.25, 0.10),
+        **kwargs,
+    ) -> CacheConfig:
+        """FlashLoop's default policy for a looped model.
+
+        Loop 1: INT4 base (K per channel over the page's 64 tokens, V per token
+        over 64 channels); loop 2: dense INT4 residual; loops 3, 4, ...: compact
+        sparse INT4 residuals (per token) for 25% and 10% of each page's tokens
+        (rounded up to whole rows: 16 and 7 of 64).
+        """
+        if num_loops < 1:
+            raise ValueError(f"num_loops must be >= 1, got {num_loops}")
+        key_spec = CodecSpec("int4", "channel", min(64, page_size))
+        loops = [LoopStorage(key_spec, INT4_VALUES)]
+        if num_loops >= 2:
+            loops.append(LoopStorage(key_spec, INT4_VALUES))
+        for loop_index in range(2, num_loops):
+            fraction = sparse_fractions[min(loop_index - 2, len(sparse_fractions) - 1)]
+            loops.append(sparse_loop(fraction, page_size))
+        return cls(
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            num_pages=num_pages, max_sequences=max_sequences,
+            max_pages_per_sequence=max_pages_per_sequence, loops=tuple(loops),
+            page_size=page_size, **kwargs,
+        )

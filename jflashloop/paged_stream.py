@@ -1,0 +1,118 @@
+"""`PagedStream`: one stream (K or V of one loop, one layer) stored page by page.
+
+Each (kv_head, page) tile is encoded on its own, as a ``[rows, 1, head_dim]``
+tensor, so every quantization group and every NVFP4 tensor scale is local to
+one page and one head: a page can be freed, moved or shared alone, and KV
+heads can be sharded across devices without cross-device reductions.
+
+Layout (head-major, so one tile is contiguous in memory):
+
+* ``payload``: uint8 ``[kv_heads, pages, rows, ceil(head_dim / 2)]``
+* ``scale``: INT4 channel axis: float16 ``[kv_heads, pages, rows / group, head_dim]``;
+  INT4 token axis: float16 ``[kv_heads, pages, rows, ceil(head_dim / group)]``;
+  NVFP4: float8_e4m3fn ``[kv_heads, pages, rows, ceil(head_dim / 16)]``
+* ``minimum``: INT4 only, like ``scale``
+* ``global_scale``: NVFP4 only, float32 ``[kv_heads, pages]`` (per tile)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from .codec_spec import CodecSpec
+from .codecs import decode, encode
+from .packed import Packed
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedStream:
+    """A pool of encoded page tiles of one stream (see the module docstring)."""
+
+    payload: jax.Array
+    scale: jax.Array
+    minimum: jax.Array | None
+    global_scale: jax.Array | None
+    spec: CodecSpec = dataclasses.field(metadata={"static": True})
+    rows: int = dataclasses.field(metadata={"static": True})
+    head_dim: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+    def take(self, pages: jax.Array) -> PagedStream:
+        """The tiles of ``pages`` (int32 ``[n]``), as a stream of ``n`` pages."""
+        return jax.tree.map(lambda leaf: leaf[:, pages], self)
+
+    def put(self, pages: jax.Array, tiles: PagedStream) -> PagedStream:
+        """Write ``tiles`` (``n`` pages) at ``pages``; ids outside the pool are dropped."""
+        return jax.tree.map(lambda leaf, new: leaf.at[:, pages].set(new, mode="drop"), self, tiles)
+
+
+jax.tree_util.register_dataclass(
+    PagedStream,
+    data_fields=["payload", "scale", "minimum", "global_scale"],
+    meta_fields=["spec", "rows", "head_dim"],
+)
+
+
+def empty_stream(spec: CodecSpec, kv_heads: int, pages: int, rows: int, head_dim: int) -> PagedStream:
+    """An all-zero pool of ``pages`` tiles."""
+    template = jax.eval_shape(
+        lambda: encode_tiles(jnp.zeros((pages, rows, kv_heads, head_dim), jnp.float32), spec)
+    )
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
+
+
+def _tile_packed(stream: PagedStream) -> Packed:
+    """View the stream's tiles as a ``[heads, pages]`` batch of ``[rows, 1, D]`` Packed."""
+    def add_head_axis(leaf):
+        return None if leaf is None else leaf[:, :, :, None, :]
+
+    return Packed(
+        payload=add_head_axis(stream.payload),
+        scale=add_head_axis(stream.scale),
+        minimum=add_head_axis(stream.minimum),
+        global_scale=stream.global_scale,
+        spec=stream.spec,
+        shape=(stream.rows, 1, stream.head_dim),
+        global_scale_origin="tensor_amax" if stream.spec.format == "nvfp4" else None,
+    )
+
+
+def encode_tiles(x: jax.Array, spec: CodecSpec, implementation: str | None = None) -> PagedStream:
+    """Encode pages ``x`` float32 ``[pages, rows, kv_heads, head_dim]`` tile by tile.
+
+    Returns a :class:`PagedStream` of ``pages`` tiles (NVFP4 tensor scale from
+    each tile's own amax).
+    """
+    _, rows, _, head_dim = x.shape
+    tiles = jnp.transpose(x, (2, 0, 1, 3))[:, :, :, None, :]  # [heads, pages, rows, 1, D]
+
+    def encode_one(tile):
+        return encode(tile, spec, implementation=implementation)
+
+    packed = jax.vmap(jax.vmap(encode_one))(tiles)
+
+    def drop_head_axis(leaf):
+        return None if leaf is None else leaf[:, :, :, 0, :]
+
+    return PagedStream(
+        payload=drop_head_axis(packed.payload),
+        scale=drop_head_axis(packed.scale),
+        minimum=drop_head_axis(packed.minimum),
+        global_scale=packed.global_scale,
+        spec=spec,
+        rows=rows,
+        head_dim=head_dim,
+    )
+
+
+def decode_tiles(stream: PagedStream) -> jax.Array:
+    """Decode every tile: float32 ``[pages, rows, kv_heads, head_dim]``."""
+    decoded = jax.vmap(jax.vmap(lambda p: decode(p, jnp.float32)))(_tile_packed(stream))
+    return jnp.transpose(decoded[:, :, :, 0, :], (1, 2, 0, 3))

@@ -1,0 +1,88 @@
+"""Oracle of what a paged cross-loop cache holds for one sequence.
+
+Given the exact history of every loop and the sparse rows the cache chose,
+rebuild the float32 K/V of a loop position by position from the scalar codec
+oracles: full pages as a closed-loop residual chain of per-(page, head)
+tiles, the sink and recent windows from the history itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .int4 import decode_int4, encode_int4
+from .nvfp4 import decode_nvfp4, encode_nvfp4
+
+
+def round_trip(tile: np.ndarray, codec) -> np.ndarray:
+    """Encode then decode a float32 ``[rows, 1, D]`` tile with ``codec``.
+
+    ``codec`` is ``(format, axis, group_size)``; NVFP4 uses the tile's own amax.
+    """
+    fmt, axis, group_size = codec
+    if fmt == "int4":
+        e = encode_int4(tile, axis, group_size)
+        return decode_int4(e["payload"], e["minimum"], e["scale"], axis, group_size, tile.shape)
+    e = encode_nvfp4(tile)
+    return decode_nvfp4(e["payload"], e["scale"], e["global_scale"], tile.shape)
+
+
+def reconstruct_pages(history, page_size, sink_tokens, loops, row_positions, loop, pages):
+    """float32 ``[pages * page_size, H, D]`` reconstruction of loop ``loop`` (0-based).
+
+    Args:
+      history: float32 ``[loops, tokens, H, D]`` (values as the cache stores them).
+      loops: per loop ``(key_codec, value_codec, sparse_rows or None)`` -- only
+        one of K or V is rebuilt here, so pass the codec of that stream as
+        ``key_codec``.
+      row_positions: per loop, None or int ``[H, pages_total, rows]`` (-1 unused).
+      pages: number of full pages to rebuild.
+    """
+    _, _, heads, head_dim = history.shape
+    out = np.zeros((pages * page_size, heads, head_dim), np.float32)
+    for page in range(pages):
+        rows = slice(page * page_size, (page + 1) * page_size)
+        for head in range(heads):
+            tiles = history[:, rows, head, :].astype(np.float32).copy()  # [loops, P, D]
+            if page == 0:
+                for r in range(sink_tokens):
+                    tiles[:, r] = tiles[:, sink_tokens]
+            reconstruction = None
+            for loop_index in range(loop + 1):
+                codec, _, sparse_rows = loops[loop_index]
+                if reconstruction is None:
+                    reconstruction = round_trip(tiles[0][:, None, :], codec)[:, 0, :]
+                    continue
+                residual = (tiles[loop_index] - reconstruction).astype(np.float32)
+                if sparse_rows is None:
+                    decoded = round_trip(residual[:, None, :], codec)[:, 0, :]
+                    reconstruction = (reconstruction + decoded).astype(np.float32)
+                    continue
+                positions = [int(p) for p in row_positions[loop_index][head, page] if p >= 0]
+                compact = np.zeros((sparse_rows, head_dim), np.float32)
+                for row, position in enumerate(positions):
+                    compact[row] = residual[position]
+                decoded = round_trip(compact[:, None, :], codec)[:, 0, :]
+                reconstruction = reconstruction.copy()
+                for row, position in enumerate(positions):
+                    reconstruction[position] = np.float32(reconstruction[position] + decoded[row])
+            out[rows, head, :] = reconstruction
+    return out
+
+
+def reconstruct_sequence(
+    history, *, length, visible, page_size, sink_tokens, recent_tokens, loops, row_positions, loop
+):
+    """float32 ``[visible, H, D]``: what attention must see for loop ``loop``.
+
+    ``length`` is the committed token count (it decides the packed pages);
+    ``visible`` is ``length`` or ``length + 1`` with a pending token.
+    """
+    pages = length // page_size
+    out = np.array(history[loop, :visible], np.float32)
+    packed = reconstruct_pages(history, page_size, sink_tokens, loops, row_positions, loop, pages)
+    window_start = min(visible - recent_tokens, pages * page_size)
+    for t in range(visible):
+        if t >= sink_tokens and t < window_start:
+            out[t] = packed[t]
+    return out

@@ -1,0 +1,366 @@
+"""PagedKVCache: prefill, append, free, reconstruct and attention against the oracles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jflashloop
+import jflashloop_reference as reference
+from jflashloop import paged_cache, storage
+from jflashloop.cache_config import CacheConfig, LoopStorage
+from tests.bits import assert_bits_equal
+
+LAYERS, HEADS, HEAD_DIM = 2, 2, 16
+
+
+def small_config(**overrides) -> CacheConfig:
+    arguments = dict(
+        num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, num_pages=64, max_sequences=3,
+        max_pages_per_sequence=20, num_loops=4, page_size=16,
+    )
+    arguments.update(overrides)
+    return CacheConfig.flashloop(**arguments)
+
+
+def nvfp4_residual_config(**overrides) -> CacheConfig:
+    base = small_config(**overrides)
+    nvfp4 = jflashloop.NVFP4
+    loops = (base.loops[0], LoopStorage(nvfp4, nvfp4), LoopStorage(nvfp4, nvfp4, 4), LoopStorage(nvfp4, nvfp4, 2))
+    return dataclasses.replace(base, loops=loops)
+
+
+def looped_tokens(rng, config, tokens, *, batch=None):
+    """Random K/V whose loops drift slowly, rounded to bfloat16 like a model's.
+
+    Returns numpy float32 ``[layers, loops, (batch,) tokens, H, D]`` keys and values.
+    """
+    lead = (config.num_layers,) + ((batch,) if batch else ()) + (tokens,)
+    shape = (*lead, config.num_kv_heads, config.head_dim)
+
+    def one():
+        offsets = rng.standard_normal((config.num_layers, 1, config.num_kv_heads, config.head_dim)) * 2
+        if batch:
+            offsets = offsets[:, None]
+        first = rng.standard_normal(shape) + offsets
+        loops = [first]
+        for _ in range(config.num_loops - 1):
+            loops.append(loops[-1] + 0.2 * rng.standard_normal(shape))
+        stacked = np.stack(loops, axis=1).astype(np.float32)
+        return stacked.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    return one(), one()
+
+
+def _codec(spec):
+    return (spec.format, spec.axis, spec.group_size)
+
+
+def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_pending=False):
+    """The oracle's float32 K and V ``[visible, H, D]`` for one sequence."""
+    config = cache.config
+    length = int(cache.lengths[slot])
+    visible = length + int(include_pending)
+    pages = np.asarray(cache.block_tables[slot])
+    row_positions = []
+    for loop_tiles in cache.layers[layer].loops:
+        if loop_tiles.row_positions is None:
+            row_positions.append(None)
+        else:
+            row_positions.append(np.asarray(loop_tiles.row_positions)[:, np.maximum(pages, 0)])
+    common = dict(
+        length=length, visible=visible, page_size=config.page_size, sink_tokens=config.sink_tokens,
+        recent_tokens=config.recent_tokens, row_positions=row_positions, loop=loop,
+    )
+    keys = reference.paged_cache.reconstruct_sequence(
+        history_k[layer, :, slot],
+        loops=[(_codec(s.key_spec), None, s.sparse_rows_per_page) for s in config.loops], **common,
+    )
+    values = reference.paged_cache.reconstruct_sequence(
+        history_v[layer, :, slot],
+        loops=[(_codec(s.value_spec), None, s.sparse_rows_per_page) for s in config.loops], **common,
+    )
+    return keys, values
+
+
+def assert_matches_oracle(cache, history_k, history_v, *, loops=None, layers=None, include_pending=False):
+    config = cache.config
+    for slot in np.flatnonzero(np.asarray(cache.active)):
+        for layer in layers if layers is not None else range(config.num_layers):
+            for loop in loops if loops is not None else range(config.num_loops):
+                keys, values, visible = paged_cache.reconstruct(
+                    cache, layer, loop, slot, include_pending=include_pending
+                )
+                expected_k, expected_v = oracle_sequence(
+                    cache, history_k, history_v, layer, loop, slot, include_pending=include_pending
+                )
+                assert int(visible) == expected_k.shape[0]
+                where = f"slot {slot} layer {layer} loop {loop + 1}"
+                assert_bits_equal(np.asarray(keys)[: int(visible)], expected_k, f"keys {where}")
+                assert_bits_equal(np.asarray(values)[: int(visible)], expected_v, f"values {where}")
+                assert not np.asarray(keys)[int(visible):].any(), "positions beyond visible must be zero"
+
+
+class History:
+    """A dense record of everything written to a cache, per slot."""
+
+    def __init__(self, config, capacity):
+        shape = (config.num_layers, config.num_loops, config.max_sequences, capacity,
+                 config.num_kv_heads, config.head_dim)
+        self.keys = np.zeros(shape, np.float32)
+        self.values = np.zeros(shape, np.float32)
+        self.lengths = np.zeros(config.max_sequences, int)
+
+    def prefill(self, slot, keys, values, length):
+        self.keys[:, :, slot, :length] = keys[:, :, :length]
+        self.values[:, :, slot, :length] = values[:, :, :length]
+        self.lengths[slot] = length
+
+    def append(self, keys, values, active):
+        for slot in np.flatnonzero(active):
+            self.keys[:, :, slot, self.lengths[slot]] = keys[:, :, slot]
+            self.values[:, :, slot, self.lengths[slot]] = values[:, :, slot]
+            self.lengths[slot] += 1
+
+
+_prefill = jax.jit(paged_cache.prefill)
+_append = jax.jit(paged_cache.append, donate_argnums=0)
+
+
+def build(rng, config, prompt_lengths, steps, *, padded_tokens=None):
+    cache = paged_cache.create(config)
+    history = History(config, max(prompt_lengths) + steps + 1)
+    padded_tokens = padded_tokens or max(prompt_lengths)
+    for slot, length in enumerate(prompt_lengths):
+        keys, values = looped_tokens(rng, config, padded_tokens)
+        cache = _prefill(cache, slot, keys, values, length)
+        history.prefill(slot, keys, values, length)
+    for _ in range(steps):
+        keys, values = looped_tokens(rng, config, 1, batch=config.max_sequences)
+        keys, values = keys[:, :, :, 0], values[:, :, :, 0]
+        active = np.asarray(cache.active)
+        cache = _append(cache, keys, values)
+        history.append(keys, values, active)
+    paged_cache.check(cache)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), history.lengths)
+    return cache, history
+
+
+@pytest.mark.parametrize(
+    "sink, recent", [(4, 16), (0, 0), (4, 64), (0, 128)], ids=lambda v: str(v)
+)
+def test_prefill_matches_oracle(rng, sink, recent):
+    config = small_config(sink_tokens=sink, recent_tokens=recent)
+    cache, history = build(rng, config, prompt_lengths=[37, 16, 70], steps=0, padded_tokens=80)
+    assert_matches_oracle(cache, history.keys, history.values, layers=[1])
+
+
+def test_appends_across_pages_match_oracle(rng):
+    config = small_config()
+    # 5 + 60 crosses three page boundaries; 31 + 60 starts one short of a boundary.
+    cache, history = build(rng, config, prompt_lengths=[5, 31, 16], steps=60)
+    assert_matches_oracle(cache, history.keys, history.values, layers=[0])
+
+
+def test_nvfp4_residual_streams_match_oracle(rng):
+    config = nvfp4_residual_config()
+    cache, history = build(rng, config, prompt_lengths=[50, 17], steps=20)
+    assert_matches_oracle(cache, history.keys, history.values, layers=[1])
+
+
+@pytest.mark.parametrize("page_size", [32, 64])
+def test_larger_pages_match_oracle(rng, page_size):
+    config = small_config(page_size=page_size, max_pages_per_sequence=4, max_sequences=2)
+    cache, history = build(rng, config, prompt_lengths=[page_size * 2 + 3, page_size - 1], steps=5)
+    assert_matches_oracle(cache, history.keys, history.values, layers=[0], loops=[0, 3])
+
+
+def test_pending_token_is_visible_before_commit(rng):
+    config = small_config()
+    cache, history = build(rng, config, prompt_lengths=[31, 3, 64], steps=0)
+    keys, values = looped_tokens(rng, config, 1, batch=config.max_sequences)
+    for layer in range(config.num_layers):
+        for loop in range(config.num_loops):
+            cache = paged_cache.write_token(cache, layer, loop, keys[layer, loop, :, 0], values[layer, loop, :, 0])
+    history.append(keys[:, :, :, 0], values[:, :, :, 0], np.ones(3, bool))
+    history.lengths -= 1  # not committed yet
+    assert_matches_oracle(cache, history.keys, history.values, layers=[1], include_pending=True)
+    committed = paged_cache.commit(cache)
+    history.lengths += 1
+    assert_matches_oracle(committed, history.keys, history.values, layers=[1])
+
+
+def test_append_equals_prefill_of_the_same_history(rng):
+    config = small_config(max_sequences=1)
+    keys, values = looped_tokens(rng, config, 150)
+    direct = _prefill(paged_cache.create(config), 0, keys, values, 150)
+    incremental = _prefill(paged_cache.create(config), 0, keys[:, :, :37], values[:, :, :37], 37)
+    for t in range(37, 150):
+        incremental = _append(incremental, keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    for layer in range(config.num_layers):
+        for loop in range(config.num_loops):
+            a = paged_cache.reconstruct(direct, layer, loop, 0)
+            b = paged_cache.reconstruct(incremental, layer, loop, 0)
+            assert_bits_equal(a[0], b[0], f"keys layer {layer} loop {loop}")
+            assert_bits_equal(a[1], b[1], f"values layer {layer} loop {loop}")
+
+
+def test_sparse_rows_are_the_largest_residuals(rng):
+    config = small_config(max_sequences=1, sink_tokens=4)
+    keys, values = looped_tokens(rng, config, 96)
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 96)
+    layer = 0
+    pages = np.asarray(cache.block_tables[0])[:6]
+    for loop in (2, 3):
+        storage_ = config.loops[loop]
+        chosen = np.asarray(cache.layers[layer].loops[loop].row_positions)[:, pages]  # [H, pages, rows]
+        # Packed-page reconstruction of the previous loop (no windows) from the oracle:
+        row_positions = [None if r.row_positions is None else np.asarray(r.row_positions)[:, pages]
+                         for r in cache.layers[layer].loops]
+        rec_k = reference.paged_cache.reconstruct_pages(
+            keys[layer], 16, 4, [(_codec(s.key_spec), None, s.sparse_rows_per_page) for s in config.loops],
+            row_positions, loop - 1, 6)
+        rec_v = reference.paged_cache.reconstruct_pages(
+            values[layer], 16, 4, [(_codec(s.value_spec), None, s.sparse_rows_per_page) for s in config.loops],
+            row_positions, loop - 1, 6)
+        energy = ((keys[layer, loop, :96] - rec_k) ** 2).sum(-1) + ((values[layer, loop, :96] - rec_v) ** 2).sum(-1)
+        for page in range(6):
+            for head in range(config.num_kv_heads):
+                page_energy = energy[page * 16 : (page + 1) * 16, head].astype(np.float64)
+                eligible = np.ones(16, bool)
+                if page == 0:
+                    eligible[:4] = False
+                rows = [int(p) for p in chosen[head, page] if p >= 0]
+                assert rows == sorted(rows) and len(rows) == storage_.sparse_rows_per_page
+                assert all(eligible[rows])
+                unchosen = np.setdiff1d(np.flatnonzero(eligible), rows)
+                assert page_energy[rows].min() >= page_energy[unchosen].max() * (1 - 1e-5)
+
+
+def test_done_when_four_loops_two_layers_three_sequences_200_appends(rng):
+    config = small_config(num_pages=64, max_pages_per_sequence=18)
+    cache, history = build(rng, config, prompt_lengths=[5, 40, 77], steps=200)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [205, 240, 277])
+    assert_matches_oracle(cache, history.keys, history.values, layers=[1], loops=[0, 1, 3])
+    queries = jnp.asarray(rng.standard_normal((3, 8, HEAD_DIM)), jnp.float32)  # GQA 4 query heads per KV head
+    for loop in range(config.num_loops):
+        out = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=False)
+        for slot in range(3):
+            keys, values = oracle_sequence(cache, history.keys, history.values, 1, loop, slot)
+            expected = reference.attention.decode_attention(np.asarray(queries[slot]), keys, values, keys.shape[0])
+            error = np.linalg.norm(np.asarray(out[slot]) - expected) / np.linalg.norm(expected)
+            assert error < 1e-5, (loop, slot, error)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gqa_reference_attention_matches_float64_oracle(rng, group):
+    config = small_config(max_sequences=2)
+    cache, history = build(rng, config, prompt_lengths=[45, 23], steps=3)
+    queries = jnp.asarray(rng.standard_normal((2, HEADS * group, HEAD_DIM)) * 2, jnp.float32)
+    out = jflashloop.decode_attention_reference(queries, cache, 0, 3, include_pending=False)
+    for slot in range(2):
+        keys, values = oracle_sequence(cache, history.keys, history.values, 0, 3, slot)
+        expected = reference.attention.decode_attention(np.asarray(queries[slot]), keys, values, keys.shape[0])
+        error = np.linalg.norm(np.asarray(out[slot]) - expected) / np.linalg.norm(expected)
+        assert error < 1e-5, (slot, error)
+
+
+def test_free_returns_pages_and_slot(rng):
+    config = small_config(num_pages=8, max_pages_per_sequence=8)
+    cache, _ = build(rng, config, prompt_lengths=[70, 40], steps=0)  # 4 + 2 pages
+    assert int(cache.page_free.sum()) == 2
+    cache = jax.jit(paged_cache.free)(cache, 0)
+    assert int(cache.page_free.sum()) == 6 and not bool(cache.active[0]) and int(cache.lengths[0]) == 0
+    assert (np.asarray(cache.block_tables[0]) == -1).all()
+    keys, values = looped_tokens(rng, config, 96)
+    cache = _prefill(cache, 0, keys, values, 96)  # 6 pages: reuses the freed ones
+    paged_cache.check(cache)
+    assert int(cache.page_free.sum()) == 0
+    used = np.concatenate([np.asarray(cache.block_tables[s])[np.asarray(cache.block_tables[s]) >= 0] for s in (0, 1)])
+    assert sorted(used.tolist()) == list(range(8))
+
+
+def test_running_out_of_pages_is_flagged(rng):
+    config = small_config(num_pages=3, max_pages_per_sequence=8, max_sequences=1)
+    keys, values = looped_tokens(rng, config, 64)
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 64)
+    with pytest.raises(RuntimeError, match="ran out of free pages"):
+        paged_cache.check(cache)
+
+
+def test_sequence_capacity_is_flagged(rng):
+    config = small_config(max_pages_per_sequence=2, max_sequences=1)
+    keys, values = looped_tokens(rng, config, 32)
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 32)
+    step_k, step_v = looped_tokens(rng, config, 1, batch=1)
+    cache = _append(cache, step_k[:, :, :, 0], step_v[:, :, :, 0])
+    assert int(cache.lengths[0]) == 32
+    with pytest.raises(RuntimeError, match="max_pages_per_sequence"):
+        paged_cache.check(cache)
+
+
+def test_storage_accounting_matches_arrays_and_hand_count():
+    config = small_config()
+    # Per (page, head) tile with page 16, head_dim 16:
+    # K INT4 channel G16: payload 16*8=128 + 1 group x 16 channels x 4 B = 64 -> 192
+    # V INT4 token G64:   payload 128 + 16 rows x 1 group x 4 B = 64          -> 192
+    # sparse 4 rows (token G64): K 4*8+4*4=48, V 48, positions 4               -> 100
+    # sparse 2 rows: K 2*8+2*4=24, V 24, positions 2                           -> 50
+    expected = {"loop1": 2 * 384, "loop2": 2 * 384, "loop3": 2 * 100, "loop4": 2 * 50}
+    expected["total"] = sum(expected.values())
+    assert storage.page_bytes(config) == expected
+    cache = paged_cache.create(config)
+    pool_bytes = sum(
+        x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache.layers[0].loops)
+    )
+    assert pool_bytes == expected["total"] * config.num_pages
+    assert storage.bytes_per_token(config) == expected["total"] / 16
+    assert storage.unquantized_bytes_per_token(config) == 4 * 2 * HEADS * HEAD_DIM * 2
+    windows = (4 + 16) * 4 * 2 * HEADS * HEAD_DIM * 2  # sink 4 + ring max(16, 16), bf16
+    assert storage.window_bytes_per_sequence(config) == windows
+    assert storage.sequence_bytes(config, 40) == LAYERS * (2 * expected["total"] + windows)
+
+
+def test_ouro_storage_figure():
+    config = storage.config_for(storage.OURO_1_4B)
+    bf16 = storage.unquantized_bytes_per_token(config)
+    assert bf16 == 32768
+    ratio = bf16 / storage.bytes_per_token(config)
+    assert ratio == pytest.approx(6.02, abs=0.01)
+    assert storage.tokens_that_fit(config, 1.0) > 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(page_size=48), "page_size"),
+        (dict(sink_tokens=16), "sink_tokens"),
+        (dict(recent_tokens=-1), "recent_tokens"),
+        (dict(num_pages=0), "num_pages"),
+    ],
+)
+def test_config_rejects_bad_values(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(**overrides)
+
+
+def test_config_rejects_groups_spanning_pages():
+    with pytest.raises(ValueError, match="divide the page size"):
+        CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_pages=1, max_sequences=1,
+                    max_pages_per_sequence=1, page_size=32, loops=(LoopStorage(jflashloop.INT4_KEYS),))
+    with pytest.raises(ValueError, match="sparse loop must group per token"):
+        CacheConfig(num_layers=1, num_kv_heads=1, head_dim=8, num_pages=1, max_sequences=1,
+                    max_pages_per_sequence=1, page_size=64,
+                    loops=(LoopStorage(), LoopStorage(jflashloop.INT4_KEYS, jflashloop.INT4_VALUES, 8)))
+
+
+def test_prefill_rejects_wrong_shapes():
+    config = small_config()
+    cache = paged_cache.create(config)
+    with pytest.raises(ValueError, match="layers=2, loops=4"):
+        paged_cache.prefill(cache, 0, jnp.zeros((2, 3, 10, 2, 16)), jnp.zeros((2, 3, 10, 2, 16)))
