@@ -1,7 +1,9 @@
 """jflashloop: 4-bit KV-cache codecs and fused decode attention for JAX."""
 
 from . import paged_cache as paged_cache
+from . import paged_stream as paged_stream
 from . import storage as storage
+from .attention import decode_attention as decode_attention
 from .attention import decode_attention_reference as decode_attention_reference
 from .cache_config import CacheConfig as CacheConfig
 from .cache_config import LoopStorage as LoopStorage
@@ -36,6 +38,7 @@ __all__ = [
     "PagedKVCache",
     "Residual",
     "decode",
+    "decode_attention",
     "decode_attention_reference",
     "decode_chain",
     "decode_residual",

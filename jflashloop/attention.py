@@ -69,3 +69,151 @@ def decode_attention_reference(
         return jnp.where(visible > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
 
     return jax.vmap(one_sequence)(queries, jnp.arange(sequences))
+
+
+def _window_inputs(cache: PagedKVCache, layer: int, loop: int, visible, packed_end):
+    """Sink and ring tokens of loop ``loop`` as one padded window per sequence.
+
+    Returns ``keys, values [B, H, window, D]`` and int32 positions ``[B, window]``
+    (-1 where a slot holds no visible, unpacked token).
+    """
+    c = cache.config
+    pool = cache.layers[layer]
+    parts_k = [pool.sink_keys[loop], pool.ring_keys[loop]] if c.sink_tokens else [pool.ring_keys[loop]]
+    parts_v = [pool.sink_values[loop], pool.ring_values[loop]] if c.sink_tokens else [pool.ring_values[loop]]
+    keys = jnp.concatenate(parts_k, axis=2)
+    values = jnp.concatenate(parts_v, axis=2)
+    slots = c.sink_tokens + c.window_tokens
+    window = max(16, 1 << (slots - 1).bit_length())
+    keys = jnp.pad(keys, ((0, 0), (0, 0), (0, window - slots), (0, 0)))
+    values = jnp.pad(values, ((0, 0), (0, 0), (0, window - slots), (0, 0)))
+    sink = jnp.arange(c.sink_tokens)[None, :]
+    sink_positions = jnp.where(sink < visible[:, None], sink, -1)
+    ring = jnp.arange(c.window_tokens)[None, :]
+    ring_positions = ring + c.window_tokens * jnp.floor_divide(visible[:, None] - 1 - ring, c.window_tokens)
+    ring_start = jnp.maximum(packed_end, c.sink_tokens)[:, None]
+    ring_ok = (ring_positions >= ring_start) & (ring_positions < visible[:, None]) & (ring_positions >= 0)
+    ring_positions = jnp.where(ring_ok, ring_positions, -1)
+    padding = jnp.full((visible.shape[0], window - slots), -1)
+    positions = jnp.concatenate([sink_positions, ring_positions, padding], axis=1).astype(jnp.int32)
+    return keys, values, positions
+
+
+def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: bool):
+    """The arrays and static formats the fused kernel reads for (``layer``, ``loop``)."""
+    from jflashloop_pallas_kernels.decode_attention import LoopFormat, StreamFormat
+
+    c = cache.config
+    visible = cache.lengths + (1 if include_pending else 0)
+    packed_end = (cache.lengths // c.page_size) * c.page_size
+    packed_end = jnp.maximum(jnp.minimum(visible - c.recent_tokens, packed_end), 0)
+    bounds = jnp.stack([visible, packed_end], axis=1).astype(jnp.int32)
+    window_keys, window_values, window_positions = _window_inputs(cache, layer, loop, visible, packed_end)
+    streams, formats = [], []
+    for index in range(loop + 1):
+        storage = c.loops[index]
+        tiles = cache.layers[layer].loops[index]
+
+        def stream_arrays(stream):
+            return {
+                "payload": stream.payload,
+                "scale": stream.scale,
+                "minimum": stream.minimum,
+                "global_scale": stream.global_scale,
+            }
+
+        def stream_format(spec, rows):
+            return StreamFormat(spec.format, spec.axis, spec.group_size, rows)
+
+        rows = c.rows(index)
+        streams.append(
+            {
+                "keys": stream_arrays(tiles.keys),
+                "values": stream_arrays(tiles.values),
+                "row_positions": tiles.row_positions,
+            }
+        )
+        formats.append(
+            LoopFormat(stream_format(storage.key_spec, rows), stream_format(storage.value_spec, rows),
+                       storage.is_sparse)
+        )
+    return dict(
+        block_tables=cache.block_tables,
+        bounds=bounds,
+        streams=tuple(streams),
+        window_keys=window_keys,
+        window_values=window_values,
+        window_positions=window_positions,
+        loops=tuple(formats),
+    )
+
+
+def decode_attention(
+    queries: jax.Array,
+    cache: PagedKVCache,
+    layer: int,
+    loop: int,
+    *,
+    include_pending: bool = True,
+    scale: float | None = None,
+    implementation: str | None = None,
+    kernel_config=None,
+    poison_for_tests: bool = False,
+) -> jax.Array:
+    """Decode attention over a :class:`~jflashloop.PagedKVCache` (fused on GPU).
+
+    Same contract as :func:`decode_attention_reference`.
+
+    Args:
+      queries: ``[max_sequences, q_heads, head_dim]``.
+      cache, layer, loop, include_pending, scale: as for the reference.
+      implementation: ``None`` (the Pallas kernel on GPU, the reference path
+        elsewhere), ``"pallas"`` (the fused kernel; interpret mode off GPU,
+        slow, for tests), or ``"xla"`` (the reference path).
+      kernel_config: ``jflashloop_pallas_kernels.decode_attention.KernelConfig``
+        (block sizes, splits, warps); None uses the measured defaults.
+      poison_for_tests: fill the kernel's partial outputs with NaN first, so an
+        element it fails to write shows up as NaN.
+    Returns:
+      float32 ``[max_sequences, q_heads, head_dim]``. The fused kernel matches
+      the reference within a relative error (Frobenius norm) of 2e-3 per
+      sequence: it reconstructs K and V in float32 like the reference and
+      runs its two matrix products at TF32 precision.
+    """
+    if implementation is None:
+        implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if implementation == "xla":
+        return decode_attention_reference(
+            queries, cache, layer, loop, include_pending=include_pending, scale=scale
+        )
+    if implementation != "pallas":
+        raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
+    from jflashloop_pallas_kernels.decode_attention import KernelConfig, paged_decode_attention
+
+    c = cache.config
+    sequences, q_heads, head_dim = queries.shape
+    if sequences != c.max_sequences or head_dim != c.head_dim or q_heads % c.num_kv_heads:
+        raise ValueError(
+            f"queries must be [max_sequences={c.max_sequences}, q_heads (a multiple of "
+            f"{c.num_kv_heads}), head_dim={c.head_dim}], got {tuple(queries.shape)}"
+        )
+    if not (0 <= layer < c.num_layers and 0 <= loop < c.num_loops):
+        raise ValueError(f"layer must be in [0, {c.num_layers}) and loop in [0, {c.num_loops}), got {layer}, {loop}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    inputs = kernel_inputs(cache, layer, loop, include_pending)
+    return paged_decode_attention(
+        queries,
+        inputs["block_tables"],
+        inputs["bounds"],
+        inputs["streams"],
+        inputs["window_keys"],
+        inputs["window_values"],
+        inputs["window_positions"],
+        loops=inputs["loops"],
+        page_size=c.page_size,
+        sink_tokens=c.sink_tokens,
+        scale=scale,
+        config=kernel_config or KernelConfig(),
+        interpret=jax.default_backend() != "gpu",
+        poison=poison_for_tests,
+    )

@@ -77,6 +77,11 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
+        if self.head_dim % 8:
+            raise ValueError(
+                f"CacheConfig.head_dim must be a multiple of 8 (pages store 8 codes per "
+                f"32-bit word), got {self.head_dim}"
+            )
         if self.page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(f"CacheConfig.page_size must be one of {SUPPORTED_PAGE_SIZES}, got {self.page_size}")
         if not isinstance(self.loops, tuple) or not self.loops:

@@ -382,17 +382,20 @@ def free(cache: PagedKVCache, slot: jax.Array | int) -> PagedKVCache:
     )
 
 
-def window_mask(config: CacheConfig, length: jax.Array, visible: jax.Array) -> dict[str, jax.Array]:
-    """Where each position ``t < max_tokens`` is read from, for one sequence.
+def window_mask(
+    config: CacheConfig, length: jax.Array, visible: jax.Array, positions: int
+) -> dict[str, jax.Array]:
+    """Where each position ``t < positions`` is read from, for one sequence.
 
     Args:
       length: committed tokens (decides how many pages are packed).
       visible: tokens attention sees (``length`` or ``length + 1``).
+      positions: static number of positions to describe.
     Returns:
-      bool ``[max_tokens]`` masks ``sink``, ``ring``, ``pages`` (disjoint,
+      bool ``[positions]`` masks ``sink``, ``ring``, ``pages`` (disjoint,
       their union is ``t < visible``).
     """
-    t = jnp.arange(config.max_tokens_per_sequence)
+    t = jnp.arange(positions)
     inside = t < visible
     sink = inside & (t < config.sink_tokens)
     packed_end = (length // config.page_size) * config.page_size
@@ -413,8 +416,9 @@ def reconstruct(
       include_pending: also show the token written by :func:`write_token` and
         not yet committed.
     Returns:
-      ``(keys, values, visible)``: float32 ``[max_tokens, kv_heads, head_dim]``
-      (zero beyond ``visible``) and the int32 number of visible tokens.
+      ``(keys, values, visible)``: float32 ``[positions, kv_heads, head_dim]``
+      with ``positions = max_tokens + include_pending`` (zero beyond
+      ``visible``) and the int32 number of visible tokens.
     """
     c = cache.config
     pool = cache.layers[layer]
@@ -423,10 +427,15 @@ def reconstruct(
     pages = jnp.maximum(cache.block_tables[slot], 0)
     tiles = tuple(loop_tiles.take(pages) for loop_tiles in pool.loops)
     page_keys, page_values = unpack_pages(tiles, loop)
+    positions = c.max_tokens_per_sequence + int(include_pending)
     shape = (c.max_tokens_per_sequence, c.num_kv_heads, c.head_dim)
     page_keys, page_values = page_keys.reshape(shape), page_values.reshape(shape)
-    masks = window_mask(c, length, visible)
-    t = jnp.arange(c.max_tokens_per_sequence)
+    if include_pending:  # room for a pending token of a full sequence
+        page_keys = jnp.pad(page_keys, ((0, 1), (0, 0), (0, 0)))
+        page_values = jnp.pad(page_values, ((0, 1), (0, 0), (0, 0)))
+    shape = (positions, c.num_kv_heads, c.head_dim)
+    masks = window_mask(c, length, visible, positions)
+    t = jnp.arange(positions)
     ring_k = pool.ring_keys[loop, slot][:, t % c.window_tokens].transpose(1, 0, 2).astype(jnp.float32)
     ring_v = pool.ring_values[loop, slot][:, t % c.window_tokens].transpose(1, 0, 2).astype(jnp.float32)
     sink_index = jnp.minimum(t, max(c.sink_tokens - 1, 0))

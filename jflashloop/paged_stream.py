@@ -7,7 +7,10 @@ heads can be sharded across devices without cross-device reductions.
 
 Layout (head-major, so one tile is contiguous in memory):
 
-* ``payload``: uint8 ``[kv_heads, pages, rows, ceil(head_dim / 2)]``
+* ``payload``: uint32 ``[kv_heads, pages, rows, head_dim / 8]``: the codec's
+  bytes read as little-endian words, so channel ``8w + i`` is nibble ``i`` of
+  word ``w`` (kernels load 8 codes per 32-bit load; the bytes in memory are
+  exactly the codec's payload)
 * ``scale``: INT4 channel axis: float16 ``[kv_heads, pages, rows / group, head_dim]``;
   INT4 token axis: float16 ``[kv_heads, pages, rows, ceil(head_dim / group)]``;
   NVFP4: float8_e4m3fn ``[kv_heads, pages, rows, ceil(head_dim / 16)]``
@@ -23,6 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from . import numerics
 from .codec_spec import CodecSpec
 from .codecs import decode, encode
 from .packed import Packed
@@ -68,13 +72,23 @@ def empty_stream(spec: CodecSpec, kv_heads: int, pages: int, rows: int, head_dim
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
 
 
+def words_from_bytes(payload: jax.Array) -> jax.Array:
+    """uint8 ``[..., 4n]`` -> uint32 ``[..., n]`` (little-endian, same memory)."""
+    return jax.lax.bitcast_convert_type(payload.reshape(*payload.shape[:-1], -1, 4), jnp.uint32)
+
+
+def bytes_from_words(words: jax.Array) -> jax.Array:
+    """uint32 ``[..., n]`` -> uint8 ``[..., 4n]`` (little-endian, same memory)."""
+    return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*words.shape[:-1], -1)
+
+
 def _tile_packed(stream: PagedStream) -> Packed:
     """View the stream's tiles as a ``[heads, pages]`` batch of ``[rows, 1, D]`` Packed."""
     def add_head_axis(leaf):
         return None if leaf is None else leaf[:, :, :, None, :]
 
     return Packed(
-        payload=add_head_axis(stream.payload),
+        payload=add_head_axis(bytes_from_words(stream.payload)),
         scale=add_head_axis(stream.scale),
         minimum=add_head_axis(stream.minimum),
         global_scale=stream.global_scale,
@@ -84,13 +98,55 @@ def _tile_packed(stream: PagedStream) -> Packed:
     )
 
 
+def _kernel_can_encode(rows: int, head_dim: int) -> bool:
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and rows >= 1
+
+
+def _encode_tiles_with_kernel(x: jax.Array, spec: CodecSpec) -> PagedStream:
+    """The Pallas quantize-on-write kernel (interpret mode off GPU)."""
+    from jflashloop_pallas_kernels.quantize import TileFormat
+    from jflashloop_pallas_kernels.quantize import encode_tiles as encode_tiles_kernel
+
+    pages, rows, heads, head_dim = x.shape
+    padded_rows = 1 << (rows - 1).bit_length()
+    tiles = jnp.transpose(x, (2, 0, 1, 3)).reshape(heads * pages, rows, head_dim)
+    if padded_rows != rows:  # only token-axis (sparse) streams: rows are independent
+        tiles = jnp.pad(tiles, ((0, 0), (0, padded_rows - rows), (0, 0)))
+    encoded = encode_tiles_kernel(
+        tiles, TileFormat(spec.format, spec.axis, spec.group_size),
+        interpret=jax.default_backend() != "gpu",
+    )
+
+    def per_tile(leaf, keep_rows):
+        leaf = leaf.reshape(heads, pages, *leaf.shape[1:])
+        return leaf[:, :, :keep_rows] if keep_rows is not None else leaf
+
+    meta_rows = rows // spec.group_size if spec.axis == "channel" else rows
+    return PagedStream(
+        payload=per_tile(encoded["payload"], rows),
+        scale=per_tile(encoded["scale"], meta_rows),
+        minimum=per_tile(encoded["minimum"], meta_rows) if "minimum" in encoded else None,
+        global_scale=encoded["global_scale"].reshape(heads, pages) if "global_scale" in encoded else None,
+        spec=spec,
+        rows=rows,
+        head_dim=head_dim,
+    )
+
+
 def encode_tiles(x: jax.Array, spec: CodecSpec, implementation: str | None = None) -> PagedStream:
     """Encode pages ``x`` float32 ``[pages, rows, kv_heads, head_dim]`` tile by tile.
 
     Returns a :class:`PagedStream` of ``pages`` tiles (NVFP4 tensor scale from
-    each tile's own amax).
+    each tile's own amax). ``implementation``: ``"pallas"`` uses the fused
+    quantize-on-write kernel (the default on GPU, where it is the bit-exact
+    path), ``"xla"`` the jittable codec.
     """
     _, rows, _, head_dim = x.shape
+    if head_dim % 8:
+        raise ValueError(f"paged streams need head_dim divisible by 8, got {head_dim}")
+    implementation = numerics.resolve_implementation(implementation)
+    if implementation == "pallas" and _kernel_can_encode(rows, head_dim):
+        return _encode_tiles_with_kernel(x, spec)
     tiles = jnp.transpose(x, (2, 0, 1, 3))[:, :, :, None, :]  # [heads, pages, rows, 1, D]
 
     def encode_one(tile):
@@ -102,7 +158,7 @@ def encode_tiles(x: jax.Array, spec: CodecSpec, implementation: str | None = Non
         return None if leaf is None else leaf[:, :, :, 0, :]
 
     return PagedStream(
-        payload=drop_head_axis(packed.payload),
+        payload=words_from_bytes(drop_head_axis(packed.payload)),
         scale=drop_head_axis(packed.scale),
         minimum=drop_head_axis(packed.minimum),
         global_scale=packed.global_scale,

@@ -307,6 +307,7 @@ def test_sequence_capacity_is_flagged(rng):
 def test_storage_accounting_matches_arrays_and_hand_count():
     config = small_config()
     # Per (page, head) tile with page 16, head_dim 16:
+    # (payloads are stored as uint32 words: the same bytes)
     # K INT4 channel G16: payload 16*8=128 + 1 group x 16 channels x 4 B = 64 -> 192
     # V INT4 token G64:   payload 128 + 16 rows x 1 group x 4 B = 64          -> 192
     # sparse 4 rows (token G64): K 4*8+4*4=48, V 48, positions 4               -> 100

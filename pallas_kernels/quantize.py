@@ -1,0 +1,216 @@
+"""Quantize-on-write: encode page tiles to INT4 or NVFP4 in one Pallas-Triton kernel.
+
+Each program encodes one ``[rows, head_dim]`` tile (one page of one KV head of
+one stream) and writes its packed words and metadata, bit-exact with the
+``reference`` oracles: float32 divisions are PTX ``div.rn.f32`` (correctly
+rounded), rounding to integers uses the float adder's own round-half-even, and
+float16/E4M3 roundings are exact conversions of exactly computed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
+
+from .exact_division import divide_rn
+
+FLOAT16_MAX = 65504.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TileFormat:
+    """Static codec of the tiles: ``format`` ("int4"/"nvfp4"), ``axis``, ``group_size``."""
+
+    format: str
+    axis: str
+    group_size: int
+
+
+def _round_half_even(x, interpret):
+    """Round float32 to the nearest integer, ties to even (PTX ``cvt.rni`` on GPU).
+
+    Triton has no ``round``; the compiled kernel issues the rounding
+    instruction itself, interpret mode uses ``jnp.round`` (also ties to even).
+    """
+    if interpret:
+        return jnp.round(x)
+    (rounded,) = pallas_triton.elementwise_inline_asm(
+        "cvt.rni.f32.f32 $0, $1;",
+        args=[x],
+        constraints="=r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )
+    return rounded
+
+
+def _float16_value(x):
+    """Saturating RNE float16 rounding (the conversion itself is RNE on every backend)."""
+    return jnp.clip(x, -FLOAT16_MAX, FLOAT16_MAX).astype(jnp.float16)
+
+
+def _e4m3_round(x, interpret):
+    """float32 in [2**-9, 448] -> nearest E4M3 value (RNE) as float32, by integer arithmetic."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    rounded = (bits + jnp.uint32(0x7FFFF) + ((bits >> 20) & jnp.uint32(1))) & jnp.uint32(0xFFF00000)
+    normal = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+    subnormal = _round_half_even(x * jnp.float32(512.0), interpret) * jnp.float32(2.0**-9)
+    return jnp.where(x >= 2.0**-6, normal, subnormal)
+
+
+def _e4m3_bits(value):
+    """uint8 float8_e4m3fn bit pattern of a float32 that is exactly an E4M3 value in [2**-9, 448]."""
+    bits = jax.lax.bitcast_convert_type(value, jnp.uint32).astype(jnp.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = (bits >> 20) & 7
+    normal = ((exponent - 120) << 3) | mantissa
+    subnormal = (value * jnp.float32(512.0)).astype(jnp.int32)
+    return jnp.where(value >= 2.0**-6, normal, subnormal).astype(jnp.uint8)
+
+
+def _pack_words(codes):
+    """int32 codes ``[rows, D]`` (0-15) -> uint32 words ``[rows, D/8]``."""
+    rows, head_dim = codes.shape
+    nibbles = codes.astype(jnp.uint32).reshape(rows, head_dim // 8, 8)
+    shifts = jax.lax.broadcasted_iota(jnp.uint32, (1, 1, 8), 2) * jnp.uint32(4)
+    return jnp.sum(nibbles << shifts, axis=-1).astype(jnp.uint32)
+
+
+def _int4_codes(x, minimum, scale, interpret):
+    quotient = divide_rn(x - minimum, scale, interpret=interpret)
+    codes = jnp.clip(_round_half_even(quotient, interpret), 0.0, 15.0)
+    return jnp.where(codes == codes, codes, 0.0).astype(jnp.int32)  # NaN -> 0
+
+
+def _int4_tile(x, fmt: TileFormat, interpret):
+    rows, head_dim = x.shape
+    group = fmt.group_size
+    stats = jnp.where(x == 0, 0.0, x)  # -0.0 counts as +0.0
+    if fmt.axis == "channel":
+        grouped = stats.reshape(rows // group, group, head_dim)
+        minimum = jnp.min(grouped, axis=1)
+        span = jnp.max(grouped, axis=1) - minimum
+        scale = jnp.where(span > 0, divide_rn(span, jnp.full_like(span, 15.0), interpret=interpret), 1.0)
+        codes = _int4_codes(
+            x.reshape(rows // group, group, head_dim), minimum[:, None, :], scale[:, None, :], interpret
+        ).reshape(rows, head_dim)
+    else:
+        group = min(group, head_dim)
+        grouped = stats.reshape(rows, head_dim // group, group)
+        minimum = jnp.min(grouped, axis=-1)
+        span = jnp.max(grouped, axis=-1) - minimum
+        scale = jnp.where(span > 0, divide_rn(span, jnp.full_like(span, 15.0), interpret=interpret), 1.0)
+        codes = _int4_codes(
+            x.reshape(rows, head_dim // group, group), minimum[:, :, None], scale[:, :, None], interpret
+        ).reshape(rows, head_dim)
+    return _pack_words(codes), _float16_value(scale), _float16_value(minimum)
+
+
+def _e2m1_code(magnitude):
+    one = jnp.int32(1)
+    zero = jnp.int32(0)
+
+    def step(condition):
+        return jnp.where(condition, one, zero)
+
+    return (
+        step(magnitude > 0.25) + step(magnitude >= 0.75) + step(magnitude > 1.25)
+        + step(magnitude >= 1.75) + step(magnitude > 2.5) + step(magnitude >= 3.5)
+        + step(magnitude > 5.0)
+    )
+
+
+def _nvfp4_tile(x, interpret):
+    rows, head_dim = x.shape
+    magnitude = jnp.abs(x)
+    amax = jnp.max(jnp.max(magnitude, axis=-1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
+    global_scale = divide_rn(
+        jnp.maximum(amax, jnp.float32(1e-12)), jnp.full_like(amax, 6.0 * 448.0), interpret=interpret
+    )
+    blocks = magnitude.reshape(rows, head_dim // 16, 16)
+    block_amax = jnp.max(blocks, axis=-1)  # [rows, D/16]
+    six_global = jnp.float32(6.0) * global_scale
+    local = divide_rn(block_amax, jnp.broadcast_to(six_global, block_amax.shape), interpret=interpret)
+    local = _e4m3_round(jnp.clip(local, 2.0**-9, 448.0), interpret)
+    denominator = local * global_scale
+    quotient = divide_rn(blocks, jnp.broadcast_to(denominator[:, :, None], blocks.shape), interpret=interpret)
+    sign = (jax.lax.bitcast_convert_type(x, jnp.uint32) >> 31).astype(jnp.int32)
+    codes = _e2m1_code(quotient).reshape(rows, head_dim) | (sign << 3)
+    return _pack_words(codes), _e4m3_bits(local), global_scale
+
+
+def _encode_kernel(x_ref, *out_refs, fmt: TileFormat, interpret: bool):
+    # x_ref: [rows, D] float32; outputs: payload [rows, D/8] uint32, metadata refs.
+    x = x_ref[...]
+    if fmt.format == "int4":
+        words, scale, minimum = _int4_tile(x, fmt, interpret)
+        payload_ref, scale_ref, minimum_ref = out_refs
+        minimum_ref[...] = minimum
+    else:
+        words, scale, global_scale = _nvfp4_tile(x, interpret)
+        payload_ref, scale_ref, global_ref = out_refs
+        global_ref[...] = global_scale.reshape(global_ref.shape)
+    payload_ref[...] = words
+    scale_ref[...] = scale
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "num_warps", "interpret"))
+def encode_tiles(x: jax.Array, fmt: TileFormat, *, num_warps: int = 4, interpret: bool = False):
+    """Encode ``n`` tiles ``x`` float32 ``[n, rows, head_dim]``, one program per tile.
+
+    ``rows`` and ``head_dim`` must be powers of two (``head_dim >= 16``);
+    channel-axis groups must divide ``rows``.
+
+    Returns a dict with ``payload`` uint32 ``[n, rows, head_dim / 8]`` and, for
+    INT4, float16 ``scale`` and ``minimum`` (``[n, rows / group, head_dim]`` on the
+    channel axis, ``[n, rows, head_dim / group]`` on the token axis); for NVFP4,
+    float8_e4m3fn ``scale`` ``[n, rows, head_dim / 16]`` and float32
+    ``global_scale`` ``[n]`` (from each tile's amax).
+    """
+    n, rows, head_dim = x.shape
+    tile = pl.BlockSpec((None, rows, head_dim), lambda i: (i, 0, 0))
+
+    def spec(*shape):
+        return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
+
+    payload_shape = (rows, head_dim // 8)
+    if fmt.format == "int4":
+        group = fmt.group_size if fmt.axis == "channel" else min(fmt.group_size, head_dim)
+        meta = (rows // group, head_dim) if fmt.axis == "channel" else (rows, head_dim // group)
+        out_shapes = [
+            jax.ShapeDtypeStruct((n, *payload_shape), jnp.uint32),
+            jax.ShapeDtypeStruct((n, *meta), jnp.float16),
+            jax.ShapeDtypeStruct((n, *meta), jnp.float16),
+        ]
+        out_specs = [spec(*payload_shape), spec(*meta), spec(*meta)]
+        names = ("payload", "scale", "minimum")
+    else:
+        meta = (rows, head_dim // 16)
+        out_shapes = [
+            jax.ShapeDtypeStruct((n, *payload_shape), jnp.uint32),
+            jax.ShapeDtypeStruct((n, *meta), jnp.uint8),
+            jax.ShapeDtypeStruct((n, 1), jnp.float32),
+        ]
+        out_specs = [spec(*payload_shape), spec(*meta), spec(1)]
+        names = ("payload", "scale", "global_scale")
+    outputs = pl.pallas_call(
+        functools.partial(_encode_kernel, fmt=fmt, interpret=interpret),
+        grid=(n,),
+        in_specs=[tile],
+        out_specs=out_specs,
+        out_shape=out_shapes,
+        compiler_params=pallas_triton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"jflashloop_encode_{fmt.format}_{fmt.axis}{fmt.group_size}_{rows}x{head_dim}",
+    )(x.astype(jnp.float32))
+    result = dict(zip(names, outputs, strict=True))
+    if "global_scale" in result:
+        result["global_scale"] = result["global_scale"][:, 0]
+        # The kernel writes E4M3 bit patterns (portable: no float8 type in Triton).
+        result["scale"] = jax.lax.bitcast_convert_type(result["scale"], jnp.float8_e4m3fn)
+    return result

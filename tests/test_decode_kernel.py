@@ -1,0 +1,175 @@
+"""The fused Pallas decode-attention and quantize-on-write kernels.
+
+On CPU the kernels run in interpret mode (the kernel logic, with float32
+matrix products); on a GPU the same tests run compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflashloop
+import jflashloop_reference as reference
+from jflashloop.attention import decode_attention
+from jflashloop.cache_config import LoopStorage
+from jflashloop.paged_stream import encode_tiles
+from jflashloop_pallas_kernels import quantize
+from jflashloop_pallas_kernels.decode_attention import KernelConfig
+from tests.bits import assert_bits_equal
+from tests.cases import CASES
+from tests.test_paged_cache import (
+    HEAD_DIM,
+    build,
+    nvfp4_residual_config,
+    oracle_sequence,
+    small_config,
+)
+
+ON_GPU = jax.default_backend() == "gpu"
+# Kernel vs the reference path on the same codes: float32 products in
+# interpret mode; TF32 matrix units on the GPU.
+KERNEL_TOLERANCE = 2e-3 if ON_GPU else 1e-5
+
+
+def relative_errors(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return np.linalg.norm(actual - expected, axis=(-2, -1)) / np.linalg.norm(expected, axis=(-2, -1))
+
+
+def run_kernel(queries, cache, layer, loop, *, include_pending=False, **config):
+    return decode_attention(
+        queries, cache, layer, loop, include_pending=include_pending, implementation="pallas",
+        kernel_config=KernelConfig(**config), poison_for_tests=True,
+    )
+
+
+CONFIGS = {
+    "int4": lambda: small_config(),
+    "nvfp4_residuals": lambda: nvfp4_residual_config(),
+    "nvfp4_base": lambda: dataclasses.replace(
+        small_config(num_loops=2),
+        loops=(LoopStorage(jflashloop.NVFP4, jflashloop.NVFP4), LoopStorage(jflashloop.NVFP4, jflashloop.NVFP4)),
+    ),
+}
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_kernel_matches_reference_every_loop(rng, config_name, group):
+    config = CONFIGS[config_name]()
+    # Lengths: partial last pages, one shorter than the sink + recent windows,
+    # and a page boundary; 3 appends leave unfilled pages in the ring.
+    cache, _ = build(rng, config, prompt_lengths=[37, 5, 64], steps=3)
+    queries = jnp.asarray(rng.standard_normal((3, config.num_kv_heads * group, HEAD_DIM)) * 2, jnp.float32)
+    for loop in range(config.num_loops):
+        expected = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=False)
+        actual = run_kernel(queries, cache, 1, loop, num_splits=2)
+        errors = relative_errors(actual, expected)
+        assert (errors < KERNEL_TOLERANCE).all(), (loop, errors)
+
+
+@pytest.mark.parametrize("num_splits, num_warps", [(1, 4), (3, 2), (20, 8), (None, 2)])
+def test_kernel_split_and_warp_choices(rng, num_splits, num_warps):
+    config = small_config()
+    cache, _ = build(rng, config, prompt_lengths=[150, 81, 16], steps=2)
+    queries = jnp.asarray(rng.standard_normal((3, 8, HEAD_DIM)), jnp.float32)
+    expected = jflashloop.decode_attention_reference(queries, cache, 0, 3, include_pending=False)
+    actual = run_kernel(queries, cache, 0, 3, num_splits=num_splits, num_warps=num_warps)
+    assert (relative_errors(actual, expected) < KERNEL_TOLERANCE).all()
+
+
+def test_kernel_bf16_products(rng):
+    config = small_config()
+    cache, _ = build(rng, config, prompt_lengths=[100, 33, 16], steps=1)
+    queries = jnp.asarray(rng.standard_normal((3, 8, HEAD_DIM)), jnp.float32)
+    expected = jflashloop.decode_attention_reference(queries, cache, 0, 3, include_pending=False)
+    actual = run_kernel(queries, cache, 0, 3, products="bf16")
+    errors = relative_errors(actual, expected)
+    assert (errors < 2e-2).all(), errors
+    assert (errors > 0).all()  # the products really were rounded
+    with pytest.raises(ValueError, match="products"):
+        KernelConfig(products="fp8")
+
+
+def test_kernel_against_float64_oracle_with_pending_token(rng):
+    config = small_config(sink_tokens=4, recent_tokens=16)
+    cache, history = build(rng, config, prompt_lengths=[47, 64, 20], steps=0)
+    step_k = jnp.asarray(rng.standard_normal((2, 4, 3, 2, HEAD_DIM)), jnp.float32)
+    for layer in range(2):
+        for loop in range(4):
+            cache = jflashloop.paged_cache.write_token(cache, layer, loop, step_k[layer, loop], step_k[layer, loop])
+    rounded = np.asarray(step_k.astype(jnp.bfloat16).astype(jnp.float32))
+    history.append(rounded, rounded, np.ones(3, bool))
+    history.lengths -= 1
+    queries = jnp.asarray(rng.standard_normal((3, 4, HEAD_DIM)), jnp.float32)
+    for loop in (0, 3):
+        actual = np.asarray(run_kernel(queries, cache, 1, loop, include_pending=True))
+        for slot in range(3):
+            keys, values = oracle_sequence(cache, history.keys, history.values, 1, loop, slot, include_pending=True)
+            expected = reference.attention.decode_attention(np.asarray(queries[slot]), keys, values, keys.shape[0])
+            error = np.linalg.norm(actual[slot] - expected) / np.linalg.norm(expected)
+            assert error < KERNEL_TOLERANCE, (loop, slot, error)
+
+
+def test_kernel_empty_sequences_give_zeros(rng):
+    config = small_config()
+    cache, _ = build(rng, config, prompt_lengths=[20], steps=0)  # slots 1 and 2 are empty
+    queries = jnp.asarray(rng.standard_normal((3, 4, HEAD_DIM)), jnp.float32)
+    out = np.asarray(run_kernel(queries, cache, 0, 1))
+    assert np.isfinite(out).all()
+    assert not out[1:].any()
+
+
+def test_public_dispatch_picks_the_backend(rng):
+    config = small_config()
+    cache, _ = build(rng, config, prompt_lengths=[20], steps=0)
+    queries = jnp.asarray(rng.standard_normal((3, 4, HEAD_DIM)), jnp.float32)
+    auto = jflashloop.decode_attention(queries, cache, 0, 0)
+    chosen = "pallas" if ON_GPU else "xla"
+    explicit = jflashloop.decode_attention(queries, cache, 0, 0, implementation=chosen)
+    assert_bits_equal(auto, explicit, "auto dispatch")
+    with pytest.raises(ValueError, match="implementation"):
+        jflashloop.decode_attention(queries, cache, 0, 0, implementation="cuda")
+
+
+TILE_SPECS = [
+    (jflashloop.CodecSpec("int4", "channel", 16), 16),
+    (jflashloop.CodecSpec("int4", "channel", 8), 16),
+    (jflashloop.INT4_VALUES, 16),
+    (jflashloop.INT4_VALUES, 7),
+    (jflashloop.CodecSpec("int4", "token", 16), 4),
+    (jflashloop.NVFP4, 16),
+    (jflashloop.NVFP4, 5),
+]
+
+
+@pytest.mark.parametrize("spec, rows", TILE_SPECS, ids=lambda v: str(v) if isinstance(v, int) else f"{v.format}-{v.axis}{v.group_size}")
+@pytest.mark.parametrize("case", ["random", "int4_division_ties", "nvfp4_division_ties", "zero_span", "negative_zero", "huge", "tiny"])
+def test_quantize_kernel_is_bit_exact_with_oracle(rng, spec, rows, case):
+    x = CASES[case](rng, (2 * rows, 2, 32)).reshape(2, rows, 2, 32)
+    tiles = encode_tiles(jnp.asarray(x), spec, "pallas")
+    payload = np.asarray(jflashloop.paged_stream.bytes_from_words(tiles.payload))
+    for page in range(2):
+        for head in range(2):
+            tile = x[page, :, head, :][:, None, :]
+            if spec.format == "int4":
+                expected = reference.encode_int4(tile, spec.axis, spec.group_size)
+                assert_bits_equal(np.asarray(tiles.minimum[head, page]), expected["minimum"][:, 0], "minimum")
+                assert_bits_equal(np.asarray(tiles.scale[head, page]), expected["scale"][:, 0], "scale")
+            else:
+                expected = reference.encode_nvfp4(tile)
+                assert_bits_equal(np.asarray(tiles.scale[head, page]), expected["scale"][:, 0], "scale")
+                assert_bits_equal(np.asarray(tiles.global_scale[head, page]), np.float32(expected["global_scale"]), "global")
+            assert_bits_equal(payload[head, page], expected["payload"][:, 0], "payload")
+
+
+def test_quantize_kernel_direct_call(rng):
+    x = jnp.asarray(rng.standard_normal((3, 64, 128)), jnp.float32)
+    out = quantize.encode_tiles(x, quantize.TileFormat("int4", "channel", 64), interpret=not ON_GPU)
+    assert out["payload"].shape == (3, 64, 16) and out["payload"].dtype == jnp.uint32
+    assert out["scale"].shape == (3, 1, 128) and out["minimum"].dtype == jnp.float16
