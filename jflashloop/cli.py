@@ -1,4 +1,4 @@
-"""The ``jflashloop`` command line: ``jflashloop demo``."""
+"""The ``jflashloop`` command line: ``demo``, ``codecs``, ``eval``, ``loops``."""
 
 from __future__ import annotations
 
@@ -57,13 +57,33 @@ def _add_codec_arguments(command) -> None:
     command.set_defaults(run=_codec_demo)
 
 
+def _delegate(module_name: str):
+    def run(args) -> int:
+        import importlib
+
+        return importlib.import_module(module_name).main(args.arguments)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jflashloop", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    _add_codec_arguments(commands.add_parser("demo", help="the main demo"))
+    from . import demo
+
+    demo.add_arguments(
+        commands.add_parser("demo", help="SmolLM2 with BF16, INT4 and NVFP4 caches: one table and a plot")
+    )
     _add_codec_arguments(
         commands.add_parser("codecs", help="encode/decode K/V-like tensors: storage and error")
     )
+    for name, module, text in (
+        ("eval", "jflashloop.evaluation", "cache policies on SmolLM2's real KV (bench/QUALITY.md)"),
+        ("loops", "jflashloop.loops_report", "the looped model on the cross-loop cache"),
+    ):
+        command = commands.add_parser(name, help=text, add_help=False)
+        command.add_argument("arguments", nargs=argparse.REMAINDER)
+        command.set_defaults(run=_delegate(module))
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -1,0 +1,88 @@
+"""Run a Llama-style model's decode step on a BF16 dense cache or a jflashloop cache.
+
+Both start from the exact K/V of a prompt prefix (one :func:`llama.prefill`)
+and then decode one token at a time, so pages of the jflashloop cache are
+packed by quantize-on-write as they fill, exactly as in serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import generation, paged_cache
+from ..quality import Policy
+from . import llama
+
+Decoder = Callable[[jax.Array, jax.Array, object], tuple[jax.Array, object]]
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedModel:
+    """A loaded model and the capacity of the caches built for it."""
+
+    params: dict
+    config: llama.LlamaConfig
+    max_tokens: int
+
+    def _prefix_kv(self, token_ids, prefix: int):
+        _, keys, values, _ = llama.prefill(self.params, self.config, jnp.asarray(token_ids[:prefix], jnp.int32))
+        return keys, values  # [layers, prefix, kv_heads, D]
+
+    def dense(self, token_ids, prefix: int, dtype=jnp.bfloat16) -> tuple[Decoder, llama.DenseKVCache]:
+        """A decoder over an unquantized ``dtype`` cache holding ``token_ids[:prefix]``."""
+        keys, values = self._prefix_kv(token_ids, prefix)
+        state = llama.DenseKVCache.from_prefill(keys, values, self.max_tokens, dtype)
+
+        def decode(token, position, state):
+            return llama.decode_step(self.params, self.config, token, position, llama.dense_attention_fn, state)
+
+        return decode, state
+
+    def paged(
+        self, policy: Policy, token_ids, prefix: int, *, implementation: str | None = None
+    ) -> tuple[Decoder, paged_cache.PagedKVCache]:
+        """A decoder over a jflashloop cache (``policy``) holding ``token_ids[:prefix]``."""
+        config = policy.cache_config(
+            num_layers=self.config.num_layers, num_kv_heads=self.config.num_key_value_heads,
+            head_dim=self.config.head_dim, max_tokens=self.max_tokens,
+        )
+        keys, values = self._prefix_kv(token_ids, prefix)
+        state = jax.jit(generation.prefill_one_loop)(paged_cache.create(config), 0, keys, values, prefix)
+        hook = generation.paged_attention_hook(self.config.num_layers, implementation)
+
+        def decode(token, position, state):
+            return llama.decode_step(self.params, self.config, token, position, hook, state)
+
+        return decode, state
+
+
+def greedy_continuation(
+    decode: Decoder, state, prompt_ids, prefix: int, steps: int, *, progress: Callable | None = None
+) -> tuple[list[int], np.ndarray]:
+    """Feed ``prompt_ids[prefix:]``, then choose ``steps`` tokens greedily.
+
+    Returns:
+      ``(generated, logits)``: the token ids and float32 ``[steps, vocab]``
+      logits each was chosen from.
+    """
+    logits = None
+    for position in range(prefix, len(prompt_ids)):
+        token = jnp.asarray([prompt_ids[position]], jnp.int32)
+        logits, state = decode(token, jnp.asarray([position], jnp.int32), state)
+    generated, rows = [], []
+    position = len(prompt_ids)
+    for index in range(steps):
+        rows.append(np.asarray(logits[0], np.float32))
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        generated.append(int(token[0]))
+        if index + 1 < steps:
+            logits, state = decode(token, jnp.asarray([position], jnp.int32), state)
+            position += 1
+        if progress is not None:
+            progress()
+    return generated, np.stack(rows)

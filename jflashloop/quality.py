@@ -1,0 +1,242 @@
+"""Quality of cache policies on a real model's K/V: reconstruction, attention, logits.
+
+Three levels, each against an unquantized reference:
+
+* :func:`kv_errors`: reconstruction relative error of K and V per layer and
+  KV head, and attention-output relative error per layer and query head
+  (float64 attention with the model's own queries, unquantized K/V vs the
+  cache's reconstruction);
+* :func:`teacher_forced_logits`: next-token logits of a model decoding a
+  fixed token sequence one token at a time through a cache (quantize-on-write
+  as pages fill), from which :func:`logit_kl`, :func:`agreement` and
+  :func:`negative_log_likelihoods` give the end-to-end effect.
+
+A :class:`Policy` names one cache layout (codecs, windows, page size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import paged_cache, storage
+from .cache_config import CacheConfig, LoopStorage
+from .codec_spec import INT4_VALUES, NVFP4, CodecSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A one-loop cache layout to evaluate.
+
+    Attributes:
+      name: label used in tables and plots.
+      key_spec, value_spec: the codecs.
+      sink_tokens, recent_tokens: unquantized windows.
+      page_size: tokens per page.
+    """
+
+    name: str
+    key_spec: CodecSpec = CodecSpec("int4", "channel", 64)
+    value_spec: CodecSpec = INT4_VALUES
+    sink_tokens: int = 4
+    recent_tokens: int = 16
+    page_size: int = 64
+
+    def cache_config(
+        self, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int, max_sequences: int = 1
+    ) -> CacheConfig:
+        """A :class:`CacheConfig` holding ``max_sequences`` sequences of ``max_tokens`` tokens."""
+        pages_per_sequence = math.ceil(max_tokens / self.page_size)
+        return CacheConfig(
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            num_pages=pages_per_sequence * max_sequences, max_sequences=max_sequences,
+            max_pages_per_sequence=pages_per_sequence,
+            loops=(LoopStorage(self.key_spec, self.value_spec),), page_size=self.page_size,
+            sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
+        )
+
+    def bits_per_element(self, num_kv_heads: int, head_dim: int) -> float:
+        """Storage bits per K/V element in full pages (windows excluded)."""
+        config = self.cache_config(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, max_tokens=64)
+        return 8 * storage.bytes_per_token(config) / (2 * num_kv_heads * head_dim)
+
+
+DEFAULT_POLICY = Policy("INT4 G64, K per channel, V per token, windows 4/16")
+"""The recommended default (see bench/QUALITY.md)."""
+
+
+def standard_policies() -> list[Policy]:
+    """The policies compared in bench/QUALITY.md."""
+    int4_k = CodecSpec("int4", "channel", 64)
+    return [
+        DEFAULT_POLICY,
+        Policy("INT4 G32, K per channel, V per token, 4/16",
+               CodecSpec("int4", "channel", 32), CodecSpec("int4", "token", 32)),
+        Policy("NVFP4 K and V, 4/16", NVFP4, NVFP4),
+        Policy("INT4 G64, K per token, V per token, 4/16", CodecSpec("int4", "token", 64), INT4_VALUES),
+        Policy("INT4 G64 K/ch V/tok, windows 0/0", int4_k, INT4_VALUES, 0, 0),
+        Policy("INT4 G64 K/ch V/tok, windows 4/64", int4_k, INT4_VALUES, 4, 64),
+        Policy("INT4 G64 K/ch V/tok, windows 0/128", int4_k, INT4_VALUES, 0, 128),
+        Policy("INT4 K (per channel) + NVFP4 V, 4/16", int4_k, NVFP4),
+        Policy("NVFP4 K + INT4 V (per token), 4/16", NVFP4, INT4_VALUES),
+    ]
+
+
+# --------------------------------------------------------------------------
+# Reconstruction and attention-output error
+# --------------------------------------------------------------------------
+
+
+def relative_error(estimate, exact, axis) -> np.ndarray:
+    """``||estimate - exact|| / ||exact||`` over ``axis`` (float64)."""
+    estimate, exact = np.asarray(estimate, np.float64), np.asarray(exact, np.float64)
+    return np.linalg.norm(estimate - exact, axis=axis) / np.maximum(np.linalg.norm(exact, axis=axis), 1e-300)
+
+
+def causal_attention_float64(queries, keys, values, query_positions) -> np.ndarray:
+    """float64 attention of queries at ``query_positions`` over keys ``[0, position]``.
+
+    Args:
+      queries: ``[Q, q_heads, D]``; keys, values: ``[T, kv_heads, D]`` (GQA:
+        query head ``h`` reads KV head ``h // (q_heads // kv_heads)``).
+      query_positions: int ``[Q]``.
+    Returns:
+      float64 ``[Q, q_heads, D]``.
+    """
+    queries = np.asarray(queries, np.float64)
+    keys = np.asarray(keys, np.float64)
+    values = np.asarray(values, np.float64)
+    q_heads, head_dim = queries.shape[1:]
+    group = q_heads // keys.shape[1]
+    keys = np.repeat(keys, group, axis=1)
+    values = np.repeat(values, group, axis=1)
+    scores = np.einsum("qhd,thd->qht", queries, keys) / math.sqrt(head_dim)
+    tokens = np.arange(keys.shape[0])
+    allowed = tokens[None, None, :] <= np.asarray(query_positions)[:, None, None]
+    scores = np.where(allowed, scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("qht,thd->qhd", weights, values)
+
+
+_prefill = jax.jit(paged_cache.prefill)
+
+
+@jax.jit
+def _reconstruct_all_layers(cache: paged_cache.PagedKVCache) -> tuple[jax.Array, jax.Array]:
+    layers = [paged_cache.reconstruct(cache, layer, 0, 0)[:2] for layer in range(cache.config.num_layers)]
+    return jnp.stack([k for k, _ in layers]), jnp.stack([v for _, v in layers])
+
+
+def reconstructed_kv(config: CacheConfig, keys, values) -> tuple[np.ndarray, np.ndarray]:
+    """Prefill one sequence and read back every layer's K/V as attention sees it.
+
+    Layers are independent in the cache, so each is run through a one-layer
+    cache of the same policy (one compilation serves every layer).
+
+    Args:
+      config: the cache configuration (its ``num_layers`` is ignored).
+      keys, values: ``[layers, T, kv_heads, D]`` (the model's exact K/V).
+    Returns:
+      float32 numpy ``[layers, T, kv_heads, D]`` K and V: quantized pages
+      decoded, windows unquantized (the cache state after the prompt).
+    """
+    tokens = keys.shape[1]
+    one_layer = dataclasses.replace(config, num_layers=1)
+    out_k, out_v = [], []
+    for layer in range(keys.shape[0]):
+        cache = _prefill(paged_cache.create(one_layer), 0, keys[layer, None, None], values[layer, None, None], tokens)
+        paged_cache.check(cache)
+        layer_keys, layer_values = _reconstruct_all_layers(cache)
+        out_k.append(np.asarray(layer_keys)[0, :tokens])
+        out_v.append(np.asarray(layer_values)[0, :tokens])
+    return np.stack(out_k), np.stack(out_v)
+
+
+def kv_errors(policy: Policy, keys, values, queries, *, query_count: int = 32) -> dict[str, np.ndarray]:
+    """Per-layer, per-head errors of ``policy`` on exact K/V and the model's queries.
+
+    Args:
+      keys, values: ``[layers, T, kv_heads, D]`` exact (post-RoPE) K/V.
+      queries: ``[layers, T, q_heads, D]`` the model's queries.
+      query_count: the last ``query_count`` positions are the queries scored.
+    Returns:
+      ``key_error``, ``value_error``: ``[layers, kv_heads]`` reconstruction
+      relative errors over all T positions; ``attention_error``: ``[layers,
+      q_heads]`` relative error of the attention output over the scored
+      queries (each attending causally over the cache state after the prompt).
+    """
+    keys, values, queries = (np.asarray(x, np.float32) for x in (keys, values, queries))
+    layers, tokens, kv_heads, head_dim = keys.shape
+    config = policy.cache_config(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, max_tokens=tokens)
+    keys_hat, values_hat = reconstructed_kv(config, jnp.asarray(keys), jnp.asarray(values))
+    positions = np.arange(tokens - query_count, tokens)
+    attention_error = []
+    for layer in range(layers):
+        exact = causal_attention_float64(queries[layer, positions], keys[layer], values[layer], positions)
+        approx = causal_attention_float64(queries[layer, positions], keys_hat[layer], values_hat[layer], positions)
+        attention_error.append(relative_error(approx, exact, axis=(0, 2)))
+    return {
+        "key_error": relative_error(keys_hat, keys, axis=(1, 3)),
+        "value_error": relative_error(values_hat, values, axis=(1, 3)),
+        "attention_error": np.stack(attention_error),
+    }
+
+
+# --------------------------------------------------------------------------
+# End to end: teacher-forced decoding through a cache
+# --------------------------------------------------------------------------
+
+
+def teacher_forced_logits(
+    decode: Callable, token_ids: Sequence[int], first: int, state, *, progress: Callable | None = None
+) -> tuple[np.ndarray, object]:
+    """Logits predicting tokens ``first + 1 .. T - 1``, feeding ``token_ids`` one at a time.
+
+    Args:
+      decode: ``decode(token [1] int32, position [1] int32, state) -> (logits [1, vocab], state)``.
+      token_ids: the sequence (``T`` ids).
+      first: position of the first token to feed; ``state`` holds tokens ``< first``.
+      state: the cache state.
+      progress: optional callable invoked after every step (a progress bar's update).
+    Returns:
+      ``(logits, state)``: float32 ``[T - 1 - first, vocab]`` and the final state.
+    """
+    rows = []
+    for position in range(first, len(token_ids) - 1):
+        token = jnp.asarray([token_ids[position]], jnp.int32)
+        logits, state = decode(token, jnp.asarray([position], jnp.int32), state)
+        rows.append(np.asarray(logits[0], np.float32))
+        if progress is not None:
+            progress()
+    return np.stack(rows), state
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def logit_kl(reference_logits, logits) -> np.ndarray:
+    """``KL(softmax(reference) || softmax(logits))`` per row, in nats (float64)."""
+    reference = _log_softmax(reference_logits)
+    other = _log_softmax(logits)
+    return np.sum(np.exp(reference) * (reference - other), axis=-1)
+
+
+def agreement(reference_logits, logits) -> float:
+    """Fraction of rows whose argmax agrees."""
+    return float(np.mean(np.argmax(reference_logits, -1) == np.argmax(logits, -1)))
+
+
+def negative_log_likelihoods(logits, targets) -> np.ndarray:
+    """Per-row negative log-likelihood (nats) of ``targets`` int ``[N]``."""
+    log_probabilities = _log_softmax(logits)
+    return -log_probabilities[np.arange(len(targets)), np.asarray(targets)]
