@@ -26,7 +26,7 @@ import numpy as np
 
 from . import paged_cache, storage
 from .cache_config import CacheConfig, LoopStorage
-from .codec_spec import INT4_VALUES, NVFP4, CodecSpec
+from .codec_spec import INT4_KEYS, INT4_VALUES, NVFP4, CodecSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Policy:
     """
 
     name: str
-    key_spec: CodecSpec = CodecSpec("int4", "channel", 64)
+    key_spec: CodecSpec = INT4_KEYS
     value_spec: CodecSpec = INT4_VALUES
     sink_tokens: int = 4
     recent_tokens: int = 16
