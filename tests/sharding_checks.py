@@ -1,0 +1,129 @@
+"""Sharded cache checks, run in a subprocess with 8 simulated CPU devices.
+
+Usage: XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_checks.py
+Prints one line per check and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflashloop
+from jflashloop import paged_cache, sharding
+from jflashloop.cache_config import CacheConfig
+
+AUTO = (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Auto)
+COLLECTIVES = re.compile(r"all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter")
+
+
+def config():
+    return CacheConfig.flashloop(
+        num_layers=2, num_kv_heads=8, head_dim=16, num_pages=64, max_sequences=8,
+        max_pages_per_sequence=8, num_loops=4, page_size=16,
+    )
+
+
+def tokens(rng, shape):
+    base = rng.standard_normal(shape[:1] + (1,) + shape[2:])
+    loops = base + 0.2 * rng.standard_normal(shape)
+    return jnp.asarray(loops, jnp.float32)
+
+
+def check(name, condition):
+    print(("ok   " if condition else "FAIL ") + name, flush=True)
+    if not condition:
+        sys.exit(1)
+
+
+def run_mesh(data: int, model: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    mesh = jax.make_mesh((data, model), ("data", "model"), axis_types=AUTO)
+    c = config()
+    sharded = sharding.create(c, mesh)
+    single = paged_cache.create(c)
+    lengths = [37, 5, 70, 16, 1, 64, 33, 50]
+    for slot, length in enumerate(lengths):
+        keys, values = tokens(rng, (2, 4, 72, 8, 16)), tokens(rng, (2, 4, 72, 8, 16))
+        sharded = sharding.prefill(sharded, mesh, slot, keys, values, length)
+        single = paged_cache.prefill(single, slot, keys, values, length)
+    append = jax.jit(paged_cache.append)
+    for _ in range(20):
+        keys, values = tokens(rng, (2, 4, 8, 8, 16)), tokens(rng, (2, 4, 8, 8, 16))
+        sharded = sharding.append(sharded, mesh, keys, values)
+        single = append(single, keys, values)
+    label = f"mesh {data}x{model}"
+    check(f"{label}: lengths", np.array_equal(np.asarray(sharded.lengths), np.asarray(single.lengths)))
+    paged_cache.check(single)
+    check(f"{label}: no error flags", not np.asarray(sharded.error_flags).any())
+    for slot in (0, 2, 7):
+        for layer, loop in ((0, 0), (1, 3)):
+            a = sharding.reconstruct(sharded, mesh, layer, loop, slot)
+            b = paged_cache.reconstruct(single, layer, loop, slot)
+            same = all(np.array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
+                       for x, y in zip(a[:2], b[:2], strict=True))
+            check(f"{label}: slot {slot} layer {layer} loop {loop + 1} reconstruction bit-identical", same)
+    queries = jnp.asarray(rng.standard_normal((8, 16, 16)), jnp.float32)  # GQA 2 per KV head
+    for loop in (0, 3):
+        out = sharding.decode_attention_sharded(queries, sharded, mesh, 1, loop, include_pending=False)
+        expected = jflashloop.decode_attention(queries, single, 1, loop, include_pending=False)
+        error = float(jnp.max(jnp.linalg.norm(out - expected, axis=(1, 2)) / jnp.linalg.norm(expected, axis=(1, 2))))
+        check(f"{label}: attention loop {loop + 1} matches single device (max rel. error {error:.1e})", error < 1e-5)
+        spec = tuple(out.sharding.spec) + (None, None)
+        check(f"{label}: attention output stays sharded {out.sharding.spec}",
+              spec[0] == "data" and (model == 1 or spec[1] == "model"))
+    # No hidden resharding: the compiled programs contain no collectives.
+    keys, values = tokens(rng, (2, 4, 8, 8, 16)), tokens(rng, (2, 4, 8, 8, 16))
+    local = sharding.local_config(c, mesh)
+    run = sharding._append_function(mesh, local, c, sharding.MeshAxes(), None)
+    hlo = run.lower(sharded, keys, values).compile().as_text()
+    check(f"{label}: append compiles without collectives", not COLLECTIVES.search(hlo))
+    prefill = sharding._prefill_function(mesh, local, c, sharding.MeshAxes(), None)
+    prompt = tokens(rng, (2, 4, 32, 8, 16))
+    hlo = prefill.lower(sharded, jnp.int32(3), prompt, prompt, jnp.int32(32)).compile().as_text()
+    found = sorted(set(COLLECTIVES.findall(hlo)))
+    check(f"{label}: prefill compiles without collectives {found}", not found)
+    attention = sharding._attention_function(mesh, local, c, sharding.MeshAxes(), 1, 3, True, None, None)
+    hlo = attention.lower(queries, sharded).compile().as_text()
+    found = sorted(set(COLLECTIVES.findall(hlo)))
+    check(f"{label}: attention compiles without collectives {found}", not found)
+    leaf = sharded.layers[0].loops[0].keys.payload
+    check(f"{label}: pool payload sharded over (model, data)", tuple(leaf.sharding.spec)[:2] == ("model", "data"))
+
+
+def run_codec_checks() -> None:
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=AUTO)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((256, 8, 64)), jnp.float32)
+    placed = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model")))
+    for spec in (jflashloop.INT4_VALUES, jflashloop.NVFP4, jflashloop.CodecSpec("int4", "channel", 64)):
+        encode = jax.jit(lambda x, spec=spec: jflashloop.encode(x, spec, implementation="xla"))
+        a, b = encode(placed), encode(x)
+        same = all(np.array_equal(np.atleast_1d(np.asarray(p)).view(np.uint8), np.atleast_1d(np.asarray(q)).view(np.uint8))
+                   for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+        check(f"codec {spec.format}/{spec.axis}: sharded encode bit-identical", same)
+
+
+def run_error_checks() -> None:
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=AUTO)
+    bad = CacheConfig.flashloop(num_layers=1, num_kv_heads=6, head_dim=16, num_pages=8, max_sequences=2,
+                                max_pages_per_sequence=4, num_loops=1, page_size=16)
+    try:
+        sharding.create(bad, mesh)
+    except ValueError as error:
+        check(f"6 heads on a model axis of 4: {error}", "num_kv_heads=6" in str(error))
+    else:
+        check("6 heads on a model axis of 4 raises", False)
+
+
+if __name__ == "__main__":
+    assert len(jax.devices()) == 8, jax.devices()
+    run_codec_checks()
+    run_error_checks()
+    for seed, (data, model) in enumerate(((8, 1), (4, 2), (2, 4))):
+        run_mesh(data, model, seed)
+    print("all sharding checks passed")
