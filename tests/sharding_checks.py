@@ -29,7 +29,7 @@ def config():
 
 
 def tokens(rng, shape):
-    base = rng.standard_normal(shape[:1] + (1,) + shape[2:])
+    base = rng.standard_normal((*shape[:1], 1, *shape[2:]))
     loops = base + 0.2 * rng.standard_normal(shape)
     return jnp.asarray(loops, jnp.float32)
 
@@ -73,7 +73,7 @@ def run_mesh(data: int, model: int, seed: int) -> None:
         expected = jflashloop.decode_attention(queries, single, 1, loop, include_pending=False)
         error = float(jnp.max(jnp.linalg.norm(out - expected, axis=(1, 2)) / jnp.linalg.norm(expected, axis=(1, 2))))
         check(f"{label}: attention loop {loop + 1} matches single device (max rel. error {error:.1e})", error < 1e-5)
-        spec = tuple(out.sharding.spec) + (None, None)
+        spec = (*tuple(out.sharding.spec), None, None)
         check(f"{label}: attention output stays sharded {out.sharding.spec}",
               spec[0] == "data" and (model == 1 or spec[1] == "model"))
     # No hidden resharding: the compiled programs contain no collectives.
