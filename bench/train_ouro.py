@@ -178,6 +178,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=1000,
                         help="held-out evaluation interval in steps (0: only at the end)")
     parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--time-budget", type=float, default=0.0,
+                        help="stop training after this many seconds (0: no limit); the checkpoint "
+                             "records the steps actually taken")
     parser.add_argument("--stdlib", type=Path, default=default_root(),
                         help="folder of the corpus")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUTPUT, help="checkpoint path")
@@ -220,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     first_step_seconds = 0.0
     evaluation_seconds = 0.0
     history = []
+    done = 0
     for step in range(args.steps):
         params, optimizer_state, metrics = train_step(params, optimizer_state, train_data,
                                                       jnp.int32(step))
@@ -242,10 +246,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             losses = evaluate(params, windows)
             evaluation_seconds += time.perf_counter() - evaluation_start
             print(f"  held-out nats/byte by loop count: [{format_losses(losses)}]", flush=True)
+        if args.time_budget and time.perf_counter() - start > args.time_budget:
+            print(f"time budget of {args.time_budget:.0f}s reached after {done} steps", flush=True)
+            break
     jax.block_until_ready(params)
+    steps_taken = done
     total_seconds = time.perf_counter() - start
     steady_seconds = total_seconds - first_step_seconds - evaluation_seconds
-    steady_rate = (args.steps - 1) / steady_seconds if args.steps > 1 else float("nan")
+    steady_rate = (steps_taken - 1) / steady_seconds if steps_taken > 1 else float("nan")
 
     held_out = evaluate(params, windows)
     print(f"held-out loss on {window_count} windows x {args.seq} bytes:")
@@ -257,14 +265,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps_per_second_after_compile": round(steady_rate, 3),
         "tflop_per_second_after_compile": round(steady_rate * flops_per_step / 1e12, 3),
     }
-    print(f"timing: {args.steps} steps in {total_seconds:.1f}s; first step (compile) "
+    print(f"timing: {steps_taken} steps in {total_seconds:.1f}s; first step (compile) "
           f"{first_step_seconds:.1f}s; {steady_rate:.2f} steps/s after it "
           f"(~{timing['tflop_per_second_after_compile']:.2f} TFLOP/s) "
           f"on {jax.default_backend()}", flush=True)
 
     info = {
         "seed": args.seed,
-        "steps": args.steps,
+        "steps": steps_taken,
         "arguments": {key: (str(value) if isinstance(value, Path) else value)
                       for key, value in vars(args).items()},
         "data": corpus.description,
