@@ -6,26 +6,65 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import numerics
+from . import numerics, rotated_codecs
 from .codec_spec import CodecSpec
-from .int4 import decode_int4, encode_int4
-from .nvfp4 import decode_nvfp4, encode_nvfp4
+from .encode_statistics import EncodeStatistics
+from .int4 import decode_int4, encode_int4, encode_int4_with_statistics, int4_statistics
+from .nvfp4 import (
+    MINIMUM_GIVEN_GLOBAL_SCALE,
+    decode_nvfp4,
+    encode_nvfp4,
+    encode_nvfp4_with_statistics,
+)
 from .packed import Packed
 
 SUPPORTED_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_ROTATED_ENCODERS = {
+    "int4_rotated": rotated_codecs.encode_int4_rotated,
+    "int2_lloyd_max": rotated_codecs.encode_int2_lloyd_max,
+    "e8": rotated_codecs.encode_e8,
+    "int4_group_rotated": rotated_codecs.encode_int4_group_rotated,
+}
+_ROTATED_DECODERS = {
+    "int4_rotated": rotated_codecs.decode_int4_rotated,
+    "int2_lloyd_max": rotated_codecs.decode_int2_lloyd_max,
+    "e8": rotated_codecs.decode_e8,
+    "int4_group_rotated": rotated_codecs.decode_int4_group_rotated,
+}
 
 
-def _check_input(x, spec) -> None:
+def _check_input(x, spec, name: str = "x") -> None:
     if not isinstance(spec, CodecSpec):
         raise TypeError(f"spec must be a CodecSpec, got {type(spec).__name__}")
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array [tokens, kv_heads, channels], got {type(x).__name__}")
     if x.ndim != 3:
         raise ValueError(
-            f"x must have rank 3 [tokens, kv_heads, channels], got shape {tuple(x.shape)}"
+            f"{name} must have rank 3 [tokens, kv_heads, channels], got shape {tuple(x.shape)}"
         )
     if any(size == 0 for size in x.shape):
-        raise ValueError(f"x must have no empty axis, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must have no empty axis, got shape {tuple(x.shape)}")
     if x.dtype not in [np.dtype(d) for d in SUPPORTED_INPUT_DTYPES]:
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def _check_global_scale(global_scale, spec: CodecSpec) -> None:
+    if global_scale is None:
+        return
+    if spec.format != "nvfp4":
+        raise ValueError(f"global_scale applies to NVFP4 only; {spec.format} stores per-group scales")
+    if np.size(global_scale) != 1 or np.ndim(global_scale) > 1:
+        raise ValueError(
+            f"global_scale must be a scalar (shape () or (1,)), got shape {tuple(np.shape(global_scale))}"
+        )
+    if isinstance(global_scale, jax.core.Tracer):
+        return
+    value = np.asarray(global_scale, dtype=np.float64)
+    if not (np.isfinite(value).all() and (value >= MINIMUM_GIVEN_GLOBAL_SCALE).all()):
+        raise ValueError(
+            "global_scale must be one finite positive float32 number >= 2**-116 "
+            f"(so no scale product is subnormal), got {np.asarray(global_scale).tolist()}"
+        )
 
 
 def encode(
@@ -45,13 +84,21 @@ def encode(
       spec: the format (:class:`CodecSpec`).
       global_scale: NVFP4 only: float32 scalar decode multiplier to use instead
         of the tensor's own ``max(amax(|x|), 1e-12) / (6 * 448)`` (for a
-        streamed cache whose amax is not known in advance). Values beyond what
-        it can represent saturate to +-6 * 448 * global_scale.
+        streamed cache whose amax is not known in advance); at least
+        ``2**-116``. Values beyond what it can represent saturate to
+        +-6 * 448 * global_scale (counted by :func:`encode_with_statistics`).
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or
         ``"pallas"``. Both are bit-exact on CPU; on GPU only ``"pallas"`` is,
         because XLA's GPU float32 division is not correctly rounded.
     Returns:
       :class:`Packed` with uint8 payload ``[tokens, kv_heads, ceil(channels/2)]``.
+
+    Edge values never produce NaN or Inf in the stored data: NaN/+-inf inputs
+    take no part in any group statistic and are stored as the saturated code
+    of their sign (+-inf) or as the code of 0.0 (NaN); float32 subnormal inputs
+    are read as zeros; metadata beyond its format saturates. Use
+    :func:`encode_with_statistics` to count these elements, or
+    :func:`jflashloop.checked.encode` to reject them.
 
     Example:
       >>> import jax.numpy as jnp, jflashloop
@@ -63,21 +110,109 @@ def encode(
       True
     """
     _check_input(x, spec)
+    _check_global_scale(global_scale, spec)
+    implementation = numerics.resolve_implementation(implementation)
+    if spec.format in _ROTATED_ENCODERS:
+        spec.check_shape(tuple(x.shape))
+        return _ROTATED_ENCODERS[spec.format](x, spec, implementation)
+    if spec.format == "int4":
+        return encode_int4(x, spec, implementation)
+    return encode_nvfp4(x, spec, implementation, global_scale)
+
+
+def encode_with_statistics(
+    x: jax.Array,
+    spec: CodecSpec,
+    *,
+    global_scale: jax.Array | float | None = None,
+    implementation: str | None = None,
+) -> tuple[Packed, EncodeStatistics]:
+    """:func:`encode`, plus the counts of elements it could not store faithfully.
+
+    Same arguments and the same :class:`Packed` as :func:`encode` (bit for
+    bit). The :class:`EncodeStatistics` count the NaN/+-inf elements and the
+    finite elements stored beyond the format's range (``docs/reliability.md``
+    defines both); they are computed in the same ``jit``, from values the
+    encode already has.
+
+    Returns:
+      ``(packed, statistics)``; both counts are int32 ``[]``.
+
+    Example:
+      >>> import jax.numpy as jnp, jflashloop
+      >>> from jflashloop.codecs import encode_with_statistics
+      >>> x = jnp.array([[[1.0, jnp.nan, 1e6, -2.0]]])
+      >>> _, stats = encode_with_statistics(x, jflashloop.CodecSpec("int4", "token", 4))
+      >>> int(stats.nonfinite), int(stats.saturated)
+      (1, 3)
+    """
+    _check_input(x, spec)
+    _check_statistics_format(spec)
+    _check_global_scale(global_scale, spec)
     implementation = numerics.resolve_implementation(implementation)
     if spec.format == "int4":
-        if global_scale is not None:
-            raise ValueError("global_scale applies to NVFP4 only; INT4 stores per-group scales")
-        return encode_int4(x, spec, implementation)
-    if global_scale is not None and not isinstance(global_scale, jax.core.Tracer):
-        value = np.asarray(global_scale, dtype=np.float64)
-        if value.shape not in ((), (1,)) or not (
-            np.isfinite(value).all() and (value >= np.finfo(np.float32).tiny).all()
-        ):
-            raise ValueError(
-                "global_scale must be one finite positive float32 normal number (>= 2**-126), "
-                f"got {np.asarray(global_scale)!r}"
-            )
-    return encode_nvfp4(x, spec, implementation, global_scale)
+        return encode_int4_with_statistics(x, spec, implementation)
+    return encode_nvfp4_with_statistics(x, spec, implementation, global_scale)
+
+
+def _check_statistics_format(spec: CodecSpec) -> None:
+    if spec.format not in ("int4", "nvfp4"):
+        raise ValueError(f"encode statistics are defined for the int4 and nvfp4 formats, got {spec.format!r}")
+
+
+def count_saturations(
+    x: jax.Array,
+    spec: CodecSpec,
+    *,
+    global_scale: jax.Array | float | None = None,
+    implementation: str | None = None,
+) -> EncodeStatistics:
+    """The :class:`EncodeStatistics` that :func:`encode` of ``x`` would have.
+
+    INT4 computes only the group statistics (no codes); NVFP4 needs the
+    quotients, so it encodes and drops the payload (free under ``jit``).
+    """
+    _check_input(x, spec)
+    _check_statistics_format(spec)
+    _check_global_scale(global_scale, spec)
+    implementation = numerics.resolve_implementation(implementation)
+    if spec.format == "int4":
+        return int4_statistics(x, spec, implementation)
+    return encode_nvfp4_with_statistics(x, spec, implementation, global_scale)[1]
+
+
+def _check_packed(packed: Packed) -> None:
+    """Leaf dtypes and trailing shapes must match the packed's spec and logical shape.
+
+    Checked for the INT4 and NVFP4 layouts; other formats check their own.
+    """
+    spec, shape = packed.spec, packed.shape
+    if not isinstance(spec, CodecSpec) or len(shape) != 3:
+        raise ValueError(f"packed.spec must be a CodecSpec and packed.shape a 3-tuple, got {spec!r}, {shape!r}")
+    if spec.format not in ("int4", "nvfp4"):
+        return
+    payload_shape = (shape[0], shape[1], (shape[2] + 1) // 2)
+    if packed.payload.dtype != np.uint8 or tuple(packed.payload.shape[-3:]) != payload_shape:
+        raise ValueError(
+            f"packed.payload must be uint8 [..., {payload_shape[0]}, {payload_shape[1]}, {payload_shape[2]}] "
+            f"for shape {shape}, got {packed.payload.dtype} {tuple(packed.payload.shape)}"
+        )
+    if spec.format == "int4":
+        metadata_shape = spec.metadata_shape(shape)
+        for name in ("scale", "minimum"):
+            leaf = getattr(packed, name)
+            if leaf is None or leaf.dtype != np.float16 or tuple(leaf.shape[-3:]) != metadata_shape:
+                got = None if leaf is None else f"{leaf.dtype} {tuple(leaf.shape)}"
+                raise ValueError(f"packed.{name} must be float16 [..., {metadata_shape}] for INT4, got {got}")
+        return
+    metadata_shape = spec.metadata_shape(shape)
+    if packed.scale.dtype != jnp.float8_e4m3fn or tuple(packed.scale.shape[-3:]) != metadata_shape:
+        raise ValueError(
+            f"packed.scale must be float8_e4m3fn [..., {metadata_shape}] for NVFP4, "
+            f"got {packed.scale.dtype} {tuple(packed.scale.shape)}"
+        )
+    if packed.global_scale is None or packed.global_scale.dtype != np.float32:
+        raise ValueError("packed.global_scale must be a float32 scalar for NVFP4")
 
 
 def decode(packed: Packed, dtype=jnp.float32) -> jax.Array:
@@ -96,7 +231,10 @@ def decode(packed: Packed, dtype=jnp.float32) -> jax.Array:
         raise TypeError(f"packed must be a Packed, got {type(packed).__name__}")
     if np.dtype(dtype) not in [np.dtype(d) for d in SUPPORTED_INPUT_DTYPES]:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {np.dtype(dtype)}")
-    if packed.spec.format == "int4":
+    _check_packed(packed)
+    if packed.spec.format in _ROTATED_DECODERS:
+        decoded = _ROTATED_DECODERS[packed.spec.format](packed)
+    elif packed.spec.format == "int4":
         decoded = decode_int4(packed)
     else:
         decoded = decode_nvfp4(packed)

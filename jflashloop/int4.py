@@ -1,9 +1,16 @@
 """INT4 affine codec (FlashLoop-compatible), bit-exact with ``reference.int4``.
 
 Per group in float32: ``min = amin(x)`` (-0.0 counted as +0.0), ``span = amax(x) - min``,
-``scale = span / 15`` (``1`` when ``span == 0``), ``code = clamp(rne((x - min) /
+``scale = span / 15`` (``1`` when ``span < 2**-121``), ``code = clamp(rne((x - min) /
 scale), 0, 15)``; min and scale are then stored as float16 (RNE, saturating at
 +-65504). Decode: ``code * float32(scale16) + float32(min16)``.
+
+float32 subnormal inputs are read as zeros and a group whose span is below
+``2**-121`` gets scale 1 (:data:`MINIMUM_SPAN`), so no subnormal arithmetic
+decides a stored bit. Non-finite elements take no part in min and max (a group without a finite
+element counts as all zeros); +inf is stored as code 15, -inf as code 0 and
+NaN as the code of 0.0. :func:`encode_int4_with_statistics` counts them and
+the finite elements of groups whose metadata overflows float16.
 """
 
 from __future__ import annotations
@@ -15,8 +22,19 @@ import jax.numpy as jnp
 
 from . import numerics
 from .codec_spec import CodecSpec
+from .encode_statistics import EncodeStatistics, count
 from .nibbles import pack_nibbles, unpack_nibbles
 from .packed import Packed
+
+FLOAT16_OVERFLOW = 65520.0
+"""Smallest float32 magnitude that float16 rounding (RNE) turns into inf."""
+MINIMUM_SPAN = 2.0**-121
+"""Groups whose span is below this are encoded like constant groups (scale 1).
+
+Their scale would be below ``2**-125``, where float32 subnormal arithmetic
+(flushed to zero by XLA on CPU, kept by numpy) could change a code; every
+such group decodes to its float16 min either way (its float16 scale would be 0).
+"""
 
 
 def _grouped(x: jax.Array, spec: CodecSpec) -> jax.Array:
@@ -58,18 +76,25 @@ def group_parameters(x: jax.Array, spec: CodecSpec, implementation: str):
     groups = _grouped(x, spec)
     # -0.0 counts as +0.0, so the result never depends on reduction order.
     groups = jnp.where(groups == 0, jnp.float32(0.0), groups)
+    finite = jnp.isfinite(groups)
     reduce_axis = 1 if spec.axis == "channel" else -1
-    minimum = groups.min(axis=reduce_axis)
-    span = groups.max(axis=reduce_axis) - minimum
+    minimum = jnp.where(finite, groups, jnp.inf).min(axis=reduce_axis)
+    maximum = jnp.where(finite, groups, -jnp.inf).max(axis=reduce_axis)
+    has_finite = minimum <= maximum  # both infinite (and crossed) when no member is finite
+    minimum = jnp.where(has_finite, minimum, jnp.float32(0.0))
+    span = jnp.where(has_finite, maximum, jnp.float32(0.0)) - minimum
     scale = jnp.where(
-        span > 0, numerics.divide(span, jnp.float32(15.0), implementation), jnp.float32(1.0)
+        span >= MINIMUM_SPAN, numerics.divide(span, jnp.float32(15.0), implementation), jnp.float32(1.0)
     )
     return minimum, scale
 
 
 def codes_from_parameters(x, minimum, scale, spec: CodecSpec, implementation: str) -> jax.Array:
-    """uint8 codes ``[T, H, C]`` of float32 ``x`` given float32 group parameters."""
-    groups = _grouped(x, spec)
+    """uint8 codes ``[T, H, C]`` of float32 ``x`` given float32 group parameters.
+
+    NaN is coded as 0.0 would be; +-inf clamp to codes 15 and 0.
+    """
+    groups = _grouped(jnp.where(jnp.isnan(x), jnp.float32(0.0), x), spec)
     quotient = numerics.divide(
         groups - _expand(minimum, spec), _expand(scale, spec), implementation
     )
@@ -78,12 +103,20 @@ def codes_from_parameters(x, minimum, scale, spec: CodecSpec, implementation: st
     return _ungrouped(codes, spec, x.shape).astype(jnp.uint8)
 
 
-def encode_int4(x: jax.Array, spec: CodecSpec, implementation: str) -> Packed:
-    """Encode ``x`` ``[T, H, C]`` (float32/bfloat16/float16) with an INT4 ``spec``."""
-    x = x.astype(jnp.float32)
+def statistics_from_parameters(x, minimum, scale, spec: CodecSpec) -> EncodeStatistics:
+    """Non-finite elements of float32 ``x`` and finite members of float16-overflowing groups."""
+    finite = jnp.isfinite(x)
+    overflow = ~(jnp.abs(minimum) < FLOAT16_OVERFLOW) | ~(scale < FLOAT16_OVERFLOW)
+    grouped_shape = _grouped(x, spec).shape
+    member_overflow = _ungrouped(jnp.broadcast_to(_expand(overflow, spec), grouped_shape), spec, x.shape)
+    return EncodeStatistics(nonfinite=count(~finite), saturated=count(member_overflow & finite))
+
+
+def _encode(x: jax.Array, spec: CodecSpec, implementation: str):
+    x = numerics.flush_subnormals(x.astype(jnp.float32))
     minimum, scale = group_parameters(x, spec, implementation)
     codes = codes_from_parameters(x, minimum, scale, spec, implementation)
-    return Packed(
+    packed = Packed(
         payload=pack_nibbles(codes),
         scale=numerics.round_to_float16(scale).astype(jnp.float16),
         minimum=numerics.round_to_float16(minimum).astype(jnp.float16),
@@ -91,6 +124,27 @@ def encode_int4(x: jax.Array, spec: CodecSpec, implementation: str) -> Packed:
         spec=spec,
         shape=tuple(x.shape),
     )
+    return packed, x, minimum, scale
+
+
+def encode_int4(x: jax.Array, spec: CodecSpec, implementation: str) -> Packed:
+    """Encode ``x`` ``[T, H, C]`` (float32/bfloat16/float16) with an INT4 ``spec``."""
+    return _encode(x, spec, implementation)[0]
+
+
+def encode_int4_with_statistics(
+    x: jax.Array, spec: CodecSpec, implementation: str
+) -> tuple[Packed, EncodeStatistics]:
+    """:func:`encode_int4` and its :class:`EncodeStatistics`."""
+    packed, x, minimum, scale = _encode(x, spec, implementation)
+    return packed, statistics_from_parameters(x, minimum, scale, spec)
+
+
+def int4_statistics(x: jax.Array, spec: CodecSpec, implementation: str) -> EncodeStatistics:
+    """The :class:`EncodeStatistics` of encoding ``x`` ``[T, H, C]``, without encoding it."""
+    x = numerics.flush_subnormals(x.astype(jnp.float32))
+    minimum, scale = group_parameters(x, spec, implementation)
+    return statistics_from_parameters(x, minimum, scale, spec)
 
 
 def decode_int4(packed: Packed) -> jax.Array:

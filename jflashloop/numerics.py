@@ -14,6 +14,11 @@ XLA on GPU may drop a float32 -> float16 -> float32 round trip inside one jit
   as float32 computed with exact integer and power-of-two operations, so a
   later elided conversion cannot change it (``lax.reduce_precision`` would
   flush float16 subnormals to zero);
+* XLA on CPU flushes float32 subnormal inputs and results of arithmetic to
+  zero (FTZ/DAZ) while numpy and PTX's ``div.rn.f32`` do not: the codecs read
+  float32 subnormal inputs as signed zeros (:func:`flush_subnormals`) and
+  avoid every subnormal intermediate that could change a stored bit (INT4's
+  minimum span, the minimum given NVFP4 global scale).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import jax.numpy as jnp
 Implementation = Literal["xla", "pallas"]
 
 FLOAT16_MAX = 65504.0
+FLOAT32_MIN_NORMAL = 2.0**-126
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0**-6
 E4M3_MIN_SUBNORMAL = 2.0**-9
@@ -118,3 +124,12 @@ def round_to_e4m3(x: jax.Array) -> jax.Array:
     normal = _round_mantissa(x, dropped_bits=20)
     subnormal = _round_to_multiple_of_power_of_two(x, exponent=-9)
     return jnp.where(x >= E4M3_MIN_NORMAL, normal, subnormal)
+
+
+def flush_subnormals(x: jax.Array) -> jax.Array:
+    """float32 ``x`` with subnormal values (``0 < |x| < 2**-126``) replaced by a zero of the same sign.
+
+    Gives the same result whether or not the backend already flushes them
+    (the comparison and the sign copy are exact either way). NaN and +-inf are kept.
+    """
+    return jnp.where(jnp.abs(x) < FLOAT32_MIN_NORMAL, jnp.copysign(jnp.float32(0.0), x), x)

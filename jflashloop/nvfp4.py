@@ -3,6 +3,13 @@
 E2M1 codes (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; sign in bit 3), one E4M3
 scale per 16 consecutive channels, one float32 global scale per tensor. The
 global scale is the decode multiplier: ``x ~ e2m1 * float32(scale) * global``.
+
+float32 subnormal inputs are read as zeros of their sign. A given global
+scale must be at least :data:`MINIMUM_GIVEN_GLOBAL_SCALE` (``2**-116``), so
+that every scale product and decoded value is a float32 normal. Non-finite
+elements take no part in the tensor or block amax; +-inf is stored
+as +-6 (saturated) and NaN as +0. :func:`encode_nvfp4_with_statistics` counts
+them and the finite elements beyond the representable range.
 """
 
 from __future__ import annotations
@@ -14,12 +21,21 @@ import jax.numpy as jnp
 
 from . import numerics
 from .codec_spec import NVFP4_BLOCK_SIZE, CodecSpec
+from .encode_statistics import EncodeStatistics, count
 from .nibbles import pack_nibbles, unpack_nibbles
 from .packed import Packed
 
 GLOBAL_SCALE_DIVISOR = 6.0 * 448.0
 AMAX_FLOOR = 1e-12
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MINIMUM_GIVEN_GLOBAL_SCALE = 2.0**-116
+"""Smallest accepted given global scale: ``2**-9 * global`` (the smallest block
+denominator) and ``0.5 * 2**-9 * global`` (the smallest nonzero decoded
+magnitude) stay float32 normals, whose arithmetic no backend flushes."""
+SATURATION_QUOTIENT = 7.0
+"""``|x| / (local * global)`` at or above this counts as saturated: halfway from
+E2M1's largest magnitude 6 to the next power of two, so E2M1 with an unbounded
+range would have rounded it to 8 or more."""
 
 
 def global_scale_from_amax(amax: jax.Array, implementation: str | None = None) -> jax.Array:
@@ -65,28 +81,26 @@ def block_scales(block_amax: jax.Array, global_scale: jax.Array, implementation:
     return numerics.round_to_e4m3(local)
 
 
-def encode_nvfp4(
-    x: jax.Array, spec: CodecSpec, implementation: str, global_scale: jax.Array | None = None
-) -> Packed:
-    """Encode ``x`` ``[T, H, C]`` (float32/bfloat16/float16) as NVFP4.
+def finite_magnitudes(x: jax.Array) -> jax.Array:
+    """``|x|`` with non-finite elements replaced by 0 (they take no part in any amax)."""
+    return jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.float32(0.0))
 
-    Args:
-      global_scale: float32 ``[]`` decode multiplier; None derives it from this
-        tensor's amax (see :func:`global_scale_from_amax`).
-    """
-    x = x.astype(jnp.float32)
+
+def _encode(x: jax.Array, spec: CodecSpec, implementation: str, global_scale: jax.Array | None):
+    x = numerics.flush_subnormals(x.astype(jnp.float32))
     origin = "given" if global_scale is not None else "tensor_amax"
     if global_scale is None:
-        global_scale = global_scale_from_amax(jnp.max(jnp.abs(x)), implementation)
+        global_scale = global_scale_from_amax(jnp.max(finite_magnitudes(x)), implementation)
     global_scale = jnp.asarray(global_scale, jnp.float32).reshape(())
     blocks = _blocks(x)
     magnitudes = jnp.abs(blocks)
-    scale = block_scales(magnitudes.max(axis=-1), global_scale, implementation)
+    scale = block_scales(finite_magnitudes(blocks).max(axis=-1), global_scale, implementation)
     denominator = scale * global_scale
     quotient = numerics.divide(magnitudes, denominator[..., None], implementation)
-    sign = jnp.signbit(blocks).astype(jnp.uint8) << 3
+    # NaN: all E2M1 thresholds compare False (code 0), and its sign bit is ignored.
+    sign = (jnp.signbit(blocks) & ~jnp.isnan(blocks)).astype(jnp.uint8) << 3
     codes = (e2m1_code(quotient) | sign).reshape(*x.shape[:2], -1)[..., : x.shape[2]]
-    return Packed(
+    packed = Packed(
         payload=pack_nibbles(codes),
         scale=scale.astype(jnp.float8_e4m3fn),
         minimum=None,
@@ -95,6 +109,34 @@ def encode_nvfp4(
         shape=tuple(x.shape),
         global_scale_origin=origin,
     )
+    return packed, blocks, quotient
+
+
+def _statistics(blocks: jax.Array, quotient: jax.Array) -> EncodeStatistics:
+    """Counts over zero-padded blocks (padding is finite and codes 0, so it counts nowhere)."""
+    finite = jnp.isfinite(blocks)
+    saturated = finite & (quotient >= SATURATION_QUOTIENT)
+    return EncodeStatistics(nonfinite=count(~finite), saturated=count(saturated))
+
+
+def encode_nvfp4(
+    x: jax.Array, spec: CodecSpec, implementation: str, global_scale: jax.Array | None = None
+) -> Packed:
+    """Encode ``x`` ``[T, H, C]`` (float32/bfloat16/float16) as NVFP4.
+
+    Args:
+      global_scale: float32 ``[]`` decode multiplier; None derives it from this
+        tensor's finite amax (see :func:`global_scale_from_amax`).
+    """
+    return _encode(x, spec, implementation, global_scale)[0]
+
+
+def encode_nvfp4_with_statistics(
+    x: jax.Array, spec: CodecSpec, implementation: str, global_scale: jax.Array | None = None
+) -> tuple[Packed, EncodeStatistics]:
+    """:func:`encode_nvfp4` and its :class:`EncodeStatistics`."""
+    packed, blocks, quotient = _encode(x, spec, implementation, global_scale)
+    return packed, _statistics(blocks, quotient)
 
 
 def e2m1_values(codes: jax.Array) -> jax.Array:

@@ -24,8 +24,27 @@ loop) into the ring (not yet counted in ``lengths``), attention reads the
 active sequence and packs pages that became full. :func:`append` does both for
 all layers and loops at once.
 
-Errors that cannot raise under ``jit`` (pool exhausted, block table full) set
-bits of ``error_flags`` per sequence; :func:`check` raises them on the host.
+Bad input raises eagerly where it can be known (static shapes and dtypes
+always; slots, lengths and free pages when they are concrete, i.e. outside
+``jit``). What cannot raise under ``jit`` sets bits of ``error_flags`` per
+sequence, and :func:`check` raises them on the host:
+
+* ``ERROR_OUT_OF_PAGES``: the pool ran out; a full page was not stored.
+* ``ERROR_SEQUENCE_FULL``: tokens beyond ``max_pages_per_sequence * page_size``
+  were dropped.
+* ``ERROR_NONFINITE_INPUT``: NaN/+-inf K/V were stored as 0 (counted in
+  ``nonfinite_counts``).
+* ``ERROR_SLOT_REPLACED``: ``prefill`` into an active slot replaced its
+  sequence (its pages went back to the pool first).
+* ``ERROR_INVALID_LENGTH``: ``prefill``'s ``length`` was outside ``[0, tokens]``
+  and was clamped.
+* ``ERROR_SATURATED`` (a warning: :func:`check` raises it only with
+  ``allow_saturation=False``): values were stored at their format's limit
+  (counted in ``saturation_counts``).
+
+An out-of-range slot under ``jit`` makes ``prefill`` and ``free`` no-ops.
+:func:`validate` checks the whole structure on the host (after loading or
+transferring a cache). ``docs/reliability.md`` lists every rule.
 """
 
 from __future__ import annotations
@@ -37,15 +56,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache_config import CacheConfig
+from .numerics import FLOAT16_MAX, flush_subnormals
 from .page_chain import LoopTiles, pack_pages, unpack_pages
-from .paged_stream import empty_stream
+from .paged_stream import PagedStream, empty_stream
+from .validation import (
+    CacheStateError,
+    check_index,
+    check_integer_scalar,
+    check_static_index,
+    concrete_int,
+    is_concrete,
+)
 
 ERROR_OUT_OF_PAGES = 1
 ERROR_SEQUENCE_FULL = 2
+ERROR_NONFINITE_INPUT = 4
+ERROR_SLOT_REPLACED = 8
+ERROR_INVALID_LENGTH = 16
+ERROR_SATURATED = 32
 _ERROR_TEXT = {
     ERROR_OUT_OF_PAGES: "the page pool ran out of free pages (a full page was not stored)",
     ERROR_SEQUENCE_FULL: "the sequence exceeded max_pages_per_sequence * page_size tokens",
+    ERROR_NONFINITE_INPUT: "NaN or +-inf K/V were written (stored as 0; see nonfinite_counts)",
+    ERROR_SLOT_REPLACED: "prefill replaced a sequence that was still active in this slot",
+    ERROR_INVALID_LENGTH: "prefill's length was outside [0, tokens] and was clamped",
+    ERROR_SATURATED: "values were stored at their format's limit (see saturation_counts)",
 }
+WARNING_BITS = ERROR_SATURATED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +121,13 @@ class PagedKVCache:
       active: bool ``[max_sequences]``: slots holding a sequence.
       page_free: bool ``[num_pages]``.
       error_flags: int32 ``[max_sequences]``: OR of ``ERROR_*`` bits.
+      nonfinite_counts: int32 ``[max_sequences]``: NaN/+-inf K/V elements
+        written to the sequence (each stored as 0).
+      saturation_counts: int32 ``[max_sequences]``: elements of the sequence
+        stored at their format's limit: window values beyond the window
+        dtype's range (stored as its largest finite value) and members of INT4
+        groups whose float16 min or scale is +-65504 (or of NVFP4 tiles with a
+        non-finite tensor scale) when their page is packed.
       config: :class:`CacheConfig`.
     """
 
@@ -93,6 +137,8 @@ class PagedKVCache:
     active: jax.Array
     page_free: jax.Array
     error_flags: jax.Array
+    nonfinite_counts: jax.Array
+    saturation_counts: jax.Array
     config: CacheConfig = dataclasses.field(metadata={"static": True})
 
     @property
@@ -102,13 +148,18 @@ class PagedKVCache:
 
 jax.tree_util.register_dataclass(
     PagedKVCache,
-    data_fields=["layers", "block_tables", "lengths", "active", "page_free", "error_flags"],
+    data_fields=[
+        "layers", "block_tables", "lengths", "active", "page_free", "error_flags",
+        "nonfinite_counts", "saturation_counts",
+    ],
     meta_fields=["config"],
 )
 
 
 def create(config: CacheConfig) -> PagedKVCache:
     """An empty cache: every page free, no sequence active."""
+    if not isinstance(config, CacheConfig):
+        raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
     c = config
     window_dtype = jnp.dtype(c.window_dtype)
     layers = []
@@ -140,6 +191,8 @@ def create(config: CacheConfig) -> PagedKVCache:
         active=jnp.zeros((c.max_sequences,), bool),
         page_free=jnp.ones((c.num_pages,), bool),
         error_flags=jnp.zeros((c.max_sequences,), jnp.int32),
+        nonfinite_counts=jnp.zeros((c.max_sequences,), jnp.int32),
+        saturation_counts=jnp.zeros((c.max_sequences,), jnp.int32),
         config=config,
     )
 
@@ -167,9 +220,109 @@ def _ring_slots(config: CacheConfig, length: jax.Array) -> tuple[jax.Array, jax.
     return positions, positions >= 0
 
 
-def _window_values(x: jax.Array, dtype) -> jax.Array:
-    """Round to the window dtype; what the cache stores and packs from, as float32."""
-    return x.astype(dtype).astype(jnp.float32)
+def _stored_values(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What the cache stores (and packs from) for input K/V ``x``, as float32.
+
+    Values are rounded to the window ``dtype``; NaN and +-inf become 0,
+    finite values beyond the window dtype's range become its largest finite
+    value of the same sign, and float32 subnormals become zeros of their sign
+    (as the codecs read them).
+
+    Returns:
+      ``(values, nonfinite, overflow)``: float32 values and two bool masks,
+      all of ``x``'s shape.
+    """
+    x = x.astype(jnp.float32)
+    finite = jnp.isfinite(x)
+    rounded = x.astype(dtype)
+    overflow = finite & jnp.isinf(rounded)
+    largest = jnp.asarray(jnp.finfo(dtype).max, dtype)
+    rounded = jnp.where(overflow, jnp.where(x > 0, largest, -largest), rounded)
+    rounded = jnp.where(finite, rounded, jnp.zeros((), dtype))
+    return flush_subnormals(rounded.astype(jnp.float32)), ~finite, overflow
+
+
+def _count_per_sequence(mask: jax.Array, sequence_axis: int) -> jax.Array:
+    """int32 ``[sequences]``: True elements of ``mask`` per index of ``sequence_axis``."""
+    axes = tuple(axis for axis in range(mask.ndim) if axis != sequence_axis % mask.ndim)
+    return jnp.sum(mask, axis=axes, dtype=jnp.int32)
+
+
+def _stream_saturations(stream: PagedStream) -> jax.Array:
+    """int32 ``[pages]``: elements of each tile stored at the format's limit.
+
+    INT4: members of groups whose float16 min or scale is +-65504 or not
+    finite (what saturation stores); NVFP4: every element of a tile whose
+    float32 tensor scale is not finite. Other formats are not counted.
+    """
+    spec = stream.spec
+    if spec.format not in ("int4", "nvfp4"):
+        return jnp.zeros((stream.payload.shape[1],), jnp.int32)
+    if spec.format == "nvfp4":
+        bad = ~jnp.isfinite(stream.global_scale)  # [heads, pages]
+        return jnp.sum(bad, axis=0, dtype=jnp.int32) * (stream.rows * stream.head_dim)
+    at_limit = ~(jnp.abs(stream.minimum.astype(jnp.float32)) < FLOAT16_MAX) | ~(
+        jnp.abs(stream.scale.astype(jnp.float32)) < FLOAT16_MAX
+    )  # [heads, pages, a, b]
+    if spec.axis == "channel":
+        members = jnp.full((at_limit.shape[-1],), spec.group_size, jnp.int32)
+    else:
+        starts = np.arange(at_limit.shape[-1]) * spec.group_size
+        members = jnp.asarray(np.minimum(spec.group_size, stream.head_dim - starts), jnp.int32)
+    return jnp.sum(jnp.where(at_limit, members, 0), axis=(0, 2, 3), dtype=jnp.int32)
+
+
+def _tile_saturations(tiles: tuple[LoopTiles, ...]) -> jax.Array:
+    """int32 ``[pages]``: elements stored at a limit, over every loop's K and V tiles."""
+    total = 0
+    for loop_tiles in tiles:
+        total = total + _stream_saturations(loop_tiles.keys) + _stream_saturations(loop_tiles.values)
+    return total
+
+
+def _check_kv(name: str, x, expected: tuple[int, ...], layout: str) -> None:
+    """Shape must be ``expected`` (``None`` entries are free) and dtype floating."""
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != len(expected) or any(e is not None and e != g for e, g in zip(expected, shape, strict=True)):
+        raise ValueError(f"{name} must be {layout}, got shape {shape}")
+    dtype = np.dtype(x.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+        raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, float16), got {dtype}")
+
+
+def check_prefill_values(cache: PagedKVCache, slot, tokens: int, length) -> None:
+    """Eager checks of ``prefill``'s slot, length and free pages (each when concrete).
+
+    ``prefill`` runs them itself; call them before a jitted ``prefill`` to get
+    the same errors (inside ``jit`` the values are tracers and are not checked).
+    """
+    c = cache.config
+    check_index("slot", slot, c.max_sequences)
+    check_integer_scalar("length", length)
+    slot_value, length_value = concrete_int(slot), concrete_int(length)
+    if length_value is not None:
+        if not 0 <= length_value <= tokens:
+            raise ValueError(f"length must be in [0, tokens={tokens}], got {length_value}")
+        if length_value > c.max_tokens_per_sequence:
+            raise ValueError(
+                f"length {length_value} exceeds the sequence capacity max_pages_per_sequence * "
+                f"page_size = {c.max_pages_per_sequence} * {c.page_size} = {c.max_tokens_per_sequence}"
+            )
+    if slot_value is None or not (is_concrete(cache.active) and is_concrete(cache.page_free)):
+        return
+    if bool(cache.active[slot_value]):
+        raise ValueError(
+            f"slot {slot_value} is already active (it holds {int(cache.lengths[slot_value])} tokens); "
+            "free it first (paged_cache.free)"
+        )
+    if length_value is not None:
+        needed = length_value // c.page_size
+        available = int(np.asarray(cache.page_free).sum())
+        if needed > available:
+            raise ValueError(
+                f"prefill of {length_value} tokens needs {needed} free pages, the pool has {available} "
+                f"(num_pages={c.num_pages})"
+            )
 
 
 def prefill(
@@ -185,37 +338,65 @@ def prefill(
 
     Args:
       cache: the cache.
-      slot: int32 scalar, the sequence slot (must be free).
-      keys, values: ``[layers, loops, tokens, kv_heads, head_dim]`` (any float
+      slot: int32 scalar in ``[0, max_sequences)``, the sequence slot (must be free).
+      keys, values: ``[layers, loops, tokens, kv_heads, head_dim]`` (a float
         dtype; rounded to ``window_dtype`` first).
-      length: int32 scalar, tokens to keep (default ``tokens``); the rest is
-        padding, so prompts of several lengths can share one compiled shape.
+      length: int32 scalar in ``[0, min(tokens, max_tokens_per_sequence)]``,
+        tokens to keep (default ``tokens``); the rest is padding, so prompts
+        of several lengths can share one compiled shape.
     Returns:
       The new cache: full pages packed, the sink and ring windows filled.
+    Raises:
+      ValueError, TypeError, IndexError: on wrong shapes or dtypes, and, when
+        the values are concrete (outside ``jit``), on a slot out of range or
+        already active, a length out of range or beyond capacity, or too few
+        free pages. Under ``jit`` these set ``error_flags`` instead (see the
+        module docstring); non-finite K/V are stored as 0 and counted.
     """
     c = cache.config
-    expected = (c.num_layers, c.num_loops)
-    if keys.shape[:2] != expected or keys.shape[3:] != (c.num_kv_heads, c.head_dim):
-        raise ValueError(
-            f"keys must be [layers={c.num_layers}, loops={c.num_loops}, tokens, "
-            f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}], got {tuple(keys.shape)}"
-        )
-    if values.shape != keys.shape:
+    layout = (f"[layers={c.num_layers}, loops={c.num_loops}, tokens, "
+              f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
+    expected = (c.num_layers, c.num_loops, None, c.num_kv_heads, c.head_dim)
+    _check_kv("keys", keys, expected, layout)
+    if tuple(values.shape) != tuple(keys.shape):
         raise ValueError(f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}")
+    _check_kv("values", values, expected, layout)
     tokens = keys.shape[2]
-    length = jnp.asarray(tokens if length is None else length, jnp.int32)
+    if tokens == 0:
+        raise ValueError("keys must hold at least one token (pass length=0 with padding for an empty prompt)")
+    if length is None:
+        length = tokens
+    check_prefill_values(cache, slot, tokens, length)
+    requested = jnp.asarray(length, jnp.int32)
     slot = jnp.asarray(slot, jnp.int32)
     page_size = c.page_size
-    keys = _window_values(keys, cache.window_dtype)
-    values = _window_values(values, cache.window_dtype)
+    slot_ok = (slot >= 0) & (slot < c.max_sequences)
+    slot_index = jnp.where(slot_ok, slot, c.max_sequences)  # out of range: every write dropped
+    length = jnp.clip(requested, 0, tokens)
+    error = jnp.where(length != requested, ERROR_INVALID_LENGTH, 0)
+    error = error | jnp.where(length > c.max_tokens_per_sequence, ERROR_SEQUENCE_FULL, 0)
+    length = jnp.minimum(length, c.max_tokens_per_sequence)
+    keys, nonfinite_k, overflow_k = _stored_values(keys, cache.window_dtype)
+    values, nonfinite_v, overflow_v = _stored_values(values, cache.window_dtype)
+    kept = (jnp.arange(tokens) < length)[None, None, :, None, None]
+    nonfinite = jnp.sum(nonfinite_k & kept, dtype=jnp.int32) + jnp.sum(nonfinite_v & kept, dtype=jnp.int32)
+    saturated = jnp.sum(overflow_k & kept, dtype=jnp.int32) + jnp.sum(overflow_v & kept, dtype=jnp.int32)
+
+    # A sequence still in the slot is replaced: its pages go back to the pool first.
+    old_row = cache.block_tables[jnp.clip(slot, 0, c.max_sequences - 1)]
+    replaced = slot_ok & cache.active[jnp.clip(slot, 0, c.max_sequences - 1)]
+    error = error | jnp.where(replaced, ERROR_SLOT_REPLACED, 0)
+    page_free = cache.page_free.at[jnp.where(replaced & (old_row >= 0), old_row, c.num_pages)].set(
+        True, mode="drop"
+    )
 
     # Full pages: allocate and pack.
     max_full = min(tokens // page_size, c.max_pages_per_sequence)
     full_pages = length // page_size
-    error = jnp.where(full_pages > c.max_pages_per_sequence, ERROR_SEQUENCE_FULL, 0)
     page_numbers = jnp.arange(max_full, dtype=jnp.int32)
-    page_ids, page_free, granted = _allocate(cache.page_free, page_numbers < full_pages)
-    error = error | jnp.where(jnp.any((page_numbers < full_pages) & ~granted), ERROR_OUT_OF_PAGES, 0)
+    wanted = (page_numbers < full_pages) & slot_ok
+    page_ids, page_free, granted = _allocate(page_free, wanted)
+    error = error | jnp.where(jnp.any(wanted & ~granted), ERROR_OUT_OF_PAGES, 0)
     block_row = jnp.full((c.max_pages_per_sequence,), -1, jnp.int32)
     block_row = block_row.at[:max_full].set(jnp.where(granted, page_ids, -1))
 
@@ -230,12 +411,13 @@ def prefill(
             )
             pages_v = layer_values[:, : max_full * page_size].reshape(pages_k.shape)
             tiles = pack_pages(pages_k, pages_v, page_numbers, c, implementation)
+            saturated = saturated + jnp.sum(jnp.where(granted, _tile_saturations(tiles), 0))
             loops = tuple(pool.put(page_ids, new) for pool, new in zip(loops, tiles, strict=True))
         # [loops, tokens, H, D] -> [loops, H, tokens, D] for the head-major windows.
         head_major_k = layer_keys.transpose(0, 2, 1, 3).astype(cache.window_dtype)
         head_major_v = layer_values.transpose(0, 2, 1, 3).astype(cache.window_dtype)
-        sink_k = layer.sink_keys.at[:, slot].set(head_major_k[:, :, : c.sink_tokens])
-        sink_v = layer.sink_values.at[:, slot].set(head_major_v[:, :, : c.sink_tokens])
+        sink_k = layer.sink_keys.at[:, slot_index].set(head_major_k[:, :, : c.sink_tokens], mode="drop")
+        sink_v = layer.sink_values.at[:, slot_index].set(head_major_v[:, :, : c.sink_tokens], mode="drop")
         gather = jnp.clip(ring_positions, 0, tokens - 1)
         ring_k = jnp.where(ring_valid[None, None, :, None], head_major_k[:, :, gather], 0)
         ring_v = jnp.where(ring_valid[None, None, :, None], head_major_v[:, :, gather], 0)
@@ -244,18 +426,22 @@ def prefill(
                 loops=loops,
                 sink_keys=sink_k,
                 sink_values=sink_v,
-                ring_keys=layer.ring_keys.at[:, slot].set(ring_k),
-                ring_values=layer.ring_values.at[:, slot].set(ring_v),
+                ring_keys=layer.ring_keys.at[:, slot_index].set(ring_k, mode="drop"),
+                ring_values=layer.ring_values.at[:, slot_index].set(ring_v, mode="drop"),
             )
         )
+    error = error | jnp.where(nonfinite > 0, ERROR_NONFINITE_INPUT, 0)
+    error = error | jnp.where(saturated > 0, ERROR_SATURATED, 0)
     return dataclasses.replace(
         cache,
         layers=tuple(new_layers),
-        block_tables=cache.block_tables.at[slot].set(block_row),
-        lengths=cache.lengths.at[slot].set(jnp.minimum(length, c.max_tokens_per_sequence)),
-        active=cache.active.at[slot].set(True),
+        block_tables=cache.block_tables.at[slot_index].set(block_row, mode="drop"),
+        lengths=cache.lengths.at[slot_index].set(length, mode="drop"),
+        active=cache.active.at[slot_index].set(True, mode="drop"),
         page_free=page_free,
-        error_flags=cache.error_flags.at[slot].set(error),
+        error_flags=cache.error_flags.at[slot_index].set(error, mode="drop"),
+        nonfinite_counts=cache.nonfinite_counts.at[slot_index].set(nonfinite, mode="drop"),
+        saturation_counts=cache.saturation_counts.at[slot_index].set(saturated, mode="drop"),
     )
 
 
@@ -269,28 +455,53 @@ def write_token(
 
     Args:
       layer, loop: 0-based Python ints.
-      keys, values: ``[max_sequences, kv_heads, head_dim]``.
+      keys, values: ``[max_sequences, kv_heads, head_dim]`` (a float dtype).
+        Entries of inactive slots are written but never read or counted.
+
+    NaN/+-inf entries of active sequences are stored as 0, counted in
+    ``nonfinite_counts`` and flagged ``ERROR_NONFINITE_INPUT``; values beyond
+    the window dtype's range are stored as its largest finite value and
+    counted in ``saturation_counts`` (``ERROR_SATURATED``).
     """
     c = cache.config
+    check_static_index("layer", layer, c.num_layers)
+    check_static_index("loop", loop, c.num_loops)
+    layout = f"[max_sequences={c.max_sequences}, kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]"
     expected = (c.max_sequences, c.num_kv_heads, c.head_dim)
-    if keys.shape != expected or values.shape != expected:
-        raise ValueError(f"keys and values must be {expected}, got {tuple(keys.shape)} and {tuple(values.shape)}")
+    _check_kv("keys", keys, expected, layout)
+    _check_kv("values", values, expected, layout)
+    keys, nonfinite_k, overflow_k = _stored_values(keys, cache.window_dtype)
+    values, nonfinite_v, overflow_v = _stored_values(values, cache.window_dtype)
+    keys, values = keys.astype(cache.window_dtype), values.astype(cache.window_dtype)
+    nonfinite = jnp.where(
+        cache.active, _count_per_sequence(nonfinite_k, 0) + _count_per_sequence(nonfinite_v, 0), 0
+    )
+    saturated = jnp.where(
+        cache.active, _count_per_sequence(overflow_k, 0) + _count_per_sequence(overflow_v, 0), 0
+    )
     pool = cache.layers[layer]
     ring_slot = cache.lengths % c.window_tokens
     sequences = jnp.arange(c.max_sequences)
-    ring_k = pool.ring_keys.at[loop, sequences, :, ring_slot].set(keys.astype(cache.window_dtype))
-    ring_v = pool.ring_values.at[loop, sequences, :, ring_slot].set(values.astype(cache.window_dtype))
+    ring_k = pool.ring_keys.at[loop, sequences, :, ring_slot].set(keys)
+    ring_v = pool.ring_values.at[loop, sequences, :, ring_slot].set(values)
     sink_k, sink_v = pool.sink_keys, pool.sink_values
     if c.sink_tokens:
         in_sink = cache.lengths < c.sink_tokens
         sink_slot = jnp.where(in_sink, cache.lengths, c.sink_tokens)  # out of range: dropped
-        sink_k = sink_k.at[loop, sequences, :, sink_slot].set(keys.astype(cache.window_dtype), mode="drop")
-        sink_v = sink_v.at[loop, sequences, :, sink_slot].set(values.astype(cache.window_dtype), mode="drop")
+        sink_k = sink_k.at[loop, sequences, :, sink_slot].set(keys, mode="drop")
+        sink_v = sink_v.at[loop, sequences, :, sink_slot].set(values, mode="drop")
     layers = list(cache.layers)
     layers[layer] = dataclasses.replace(
         pool, ring_keys=ring_k, ring_values=ring_v, sink_keys=sink_k, sink_values=sink_v
     )
-    return dataclasses.replace(cache, layers=tuple(layers))
+    flags = jnp.where(nonfinite > 0, ERROR_NONFINITE_INPUT, 0) | jnp.where(saturated > 0, ERROR_SATURATED, 0)
+    return dataclasses.replace(
+        cache,
+        layers=tuple(layers),
+        error_flags=cache.error_flags | flags,
+        nonfinite_counts=cache.nonfinite_counts + nonfinite,
+        saturation_counts=cache.saturation_counts + saturated,
+    )
 
 
 def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementation) -> PagedKVCache:
@@ -310,11 +521,14 @@ def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementat
         return rows.transpose(0, 1, 3, 2, 4).astype(jnp.float32)
 
     new_layers = []
+    saturated = jnp.zeros((c.max_sequences,), jnp.int32)
     for layer in cache.layers:
         pages_k, pages_v = page_rows(layer.ring_keys), page_rows(layer.ring_values)
         tiles = pack_pages(pages_k, pages_v, jnp.maximum(page_number, 0), c, implementation)
+        saturated = saturated + jnp.where(granted, _tile_saturations(tiles), 0)
         loops = tuple(pool.put(page_ids, new) for pool, new in zip(layer.loops, tiles, strict=True))
         new_layers.append(dataclasses.replace(layer, loops=loops))
+    errors = errors | jnp.where(saturated > 0, ERROR_SATURATED, 0)
     rows = jnp.arange(c.max_sequences)
     column = jnp.where(granted, page_number, c.max_pages_per_sequence)  # out of range: dropped
     block_tables = cache.block_tables.at[rows, column].set(page_ids, mode="drop")
@@ -324,6 +538,7 @@ def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementat
         block_tables=block_tables,
         page_free=page_free,
         error_flags=cache.error_flags | errors,
+        saturation_counts=cache.saturation_counts + saturated,
     )
 
 
@@ -359,8 +574,10 @@ def append(
     """
     c = cache.config
     expected = (c.num_layers, c.num_loops, c.max_sequences, c.num_kv_heads, c.head_dim)
-    if keys.shape != expected or values.shape != expected:
-        raise ValueError(f"keys and values must be {expected}, got {tuple(keys.shape)} and {tuple(values.shape)}")
+    layout = (f"[layers={c.num_layers}, loops={c.num_loops}, max_sequences={c.max_sequences}, "
+              f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
+    _check_kv("keys", keys, expected, layout)
+    _check_kv("values", values, expected, layout)
     for layer in range(c.num_layers):
         for loop in range(c.num_loops):
             cache = write_token(cache, layer, loop, keys[layer, loop], values[layer, loop])
@@ -368,17 +585,32 @@ def append(
 
 
 def free(cache: PagedKVCache, slot: jax.Array | int) -> PagedKVCache:
-    """Release a sequence: its pages return to the pool and the slot empties."""
+    """Release a sequence: its pages return to the pool and the slot empties.
+
+    ``slot`` must be in ``[0, max_sequences)`` (checked when concrete; under
+    ``jit`` an out-of-range slot changes nothing). Freeing an inactive slot
+    is a no-op.
+    """
     c = cache.config
-    row = cache.block_tables[slot]
+    check_index("slot", slot, c.max_sequences)
+    slot = jnp.asarray(slot, jnp.int32)
+    slot_ok = (slot >= 0) & (slot < c.max_sequences)
+    slot_index = jnp.where(slot_ok, slot, c.max_sequences)  # out of range: every write dropped
+    row = jnp.where(slot_ok, cache.block_tables[jnp.clip(slot, 0, c.max_sequences - 1)], -1)
     page_free = cache.page_free.at[jnp.where(row >= 0, row, c.num_pages)].set(True, mode="drop")
+
+    def cleared(array, value):
+        return array.at[slot_index].set(value, mode="drop")
+
     return dataclasses.replace(
         cache,
-        block_tables=cache.block_tables.at[slot].set(-1),
-        lengths=cache.lengths.at[slot].set(0),
-        active=cache.active.at[slot].set(False),
+        block_tables=cleared(cache.block_tables, -1),
+        lengths=cleared(cache.lengths, 0),
+        active=cleared(cache.active, False),
         page_free=page_free,
-        error_flags=cache.error_flags.at[slot].set(0),
+        error_flags=cleared(cache.error_flags, 0),
+        nonfinite_counts=cleared(cache.nonfinite_counts, 0),
+        saturation_counts=cleared(cache.saturation_counts, 0),
     )
 
 
@@ -421,6 +653,9 @@ def reconstruct(
       ``visible``) and the int32 number of visible tokens.
     """
     c = cache.config
+    check_static_index("layer", layer, c.num_layers)
+    check_static_index("loop", loop, c.num_loops)
+    check_index("slot", slot, c.max_sequences)
     pool = cache.layers[layer]
     length = cache.lengths[slot]
     visible = length + (1 if include_pending else 0)
@@ -453,12 +688,143 @@ def reconstruct(
     return combine(sink_k, ring_k, page_keys), combine(sink_v, ring_v, page_values), visible
 
 
-def check(cache: PagedKVCache) -> None:
-    """Raise ``RuntimeError`` on the host if any sequence has an error flag set."""
+def check(cache: PagedKVCache, *, allow_saturation: bool = True) -> None:
+    """Raise ``RuntimeError`` on the host if any sequence has an error flag set.
+
+    Args:
+      allow_saturation: when False, ``ERROR_SATURATED`` (values stored at their
+        format's limit, see ``saturation_counts``) raises too.
+    """
     flags = np.asarray(cache.error_flags)
+    ignored = WARNING_BITS if allow_saturation else 0
     messages = []
-    for slot in np.flatnonzero(flags):
-        reasons = [text for bit, text in _ERROR_TEXT.items() if flags[slot] & bit]
-        messages.append(f"sequence slot {slot}: " + "; ".join(reasons))
+    for slot in np.flatnonzero(flags & ~ignored):
+        reasons = [text for bit, text in _ERROR_TEXT.items() if flags[slot] & bit & ~ignored]
+        counts = []
+        if flags[slot] & ERROR_NONFINITE_INPUT:
+            counts.append(f"nonfinite_counts={int(cache.nonfinite_counts[slot])}")
+        if flags[slot] & ERROR_SATURATED & ~ignored:
+            counts.append(f"saturation_counts={int(cache.saturation_counts[slot])}")
+        suffix = f" ({', '.join(counts)})" if counts else ""
+        messages.append(f"sequence slot {slot}: " + "; ".join(reasons) + suffix)
     if messages:
         raise RuntimeError("PagedKVCache errors: " + " | ".join(messages))
+
+
+def _expected_leaf_shapes(config: CacheConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``keystr path -> (shape, dtype)`` of every array of an empty cache of ``config``."""
+    template = jax.eval_shape(lambda: create(config))
+    leaves = jax.tree_util.tree_flatten_with_path(template)[0]
+    return {jax.tree_util.keystr(path): (tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in leaves}
+
+
+def structure_problems(cache: PagedKVCache) -> list[str]:
+    """Every array of ``cache`` whose shape or dtype differs from what its config implies."""
+    expected = _expected_leaf_shapes(cache.config)
+    leaves = jax.tree_util.tree_flatten_with_path(cache)[0]
+    actual = {jax.tree_util.keystr(path): (tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in leaves}
+    problems = [f"missing array {name}" for name in expected if name not in actual]
+    problems += [f"unexpected array {name}" for name in actual if name not in expected]
+    for name, (shape, dtype) in expected.items():
+        if name in actual and actual[name] != (shape, dtype):
+            problems.append(f"{name} must be {dtype} {shape}, got {actual[name][1]} {actual[name][0]}")
+    return problems
+
+
+def bookkeeping_problems(cache: PagedKVCache) -> list[str]:
+    """Host-side consistency of block tables, free list, lengths, flags and sparse rows.
+
+    Returns a list of human-readable problems (empty when consistent).
+    """
+    c = cache.config
+    tables = np.asarray(cache.block_tables)
+    lengths = np.asarray(cache.lengths)
+    active = np.asarray(cache.active)
+    page_free = np.asarray(cache.page_free)
+    flags = np.asarray(cache.error_flags)
+    problems = []
+    outside = (tables < -1) | (tables >= c.num_pages)
+    for slot, column in zip(*np.nonzero(outside), strict=True):
+        problems.append(
+            f"block_tables[{slot}, {column}] = {tables[slot, column]} is outside the pool [0, {c.num_pages}) and not -1"
+        )
+    owners: dict[int, list[tuple[int, int]]] = {}
+    for slot, column in zip(*np.nonzero((tables >= 0) & ~outside), strict=True):
+        owners.setdefault(int(tables[slot, column]), []).append((int(slot), int(column)))
+    for page, places in owners.items():
+        if len(places) > 1:
+            problems.append(f"page {page} is owned more than once, by (slot, column) {places}")
+        if page_free[page]:
+            problems.append(f"page {page} is in block_tables{places[0]} but marked free in page_free")
+    for page in np.flatnonzero(~page_free):
+        if int(page) not in owners:
+            problems.append(f"page {page} is marked used in page_free but no block table holds it")
+    for slot in range(c.max_sequences):
+        held = np.flatnonzero(tables[slot] >= 0)
+        if not active[slot]:
+            if held.size:
+                problems.append(f"inactive slot {slot} holds pages {tables[slot, held].tolist()}")
+            if lengths[slot]:
+                problems.append(f"inactive slot {slot} has length {lengths[slot]} (must be 0)")
+            continue
+        if not 0 <= lengths[slot] <= c.max_tokens_per_sequence:
+            problems.append(
+                f"lengths[{slot}] = {lengths[slot]} is outside [0, max_tokens_per_sequence="
+                f"{c.max_tokens_per_sequence}]"
+            )
+            continue
+        full_pages = int(lengths[slot]) // c.page_size
+        beyond = held[held >= full_pages]
+        if beyond.size:
+            problems.append(
+                f"slot {slot} holds pages at block-table columns {beyond.tolist()} beyond its "
+                f"{full_pages} full page(s) (length {lengths[slot]})"
+            )
+        missing = [column for column in range(full_pages) if tables[slot, column] < 0]
+        if missing and not flags[slot] & ERROR_OUT_OF_PAGES:
+            problems.append(
+                f"slot {slot} (length {lengths[slot]}) has no page at block-table columns {missing} "
+                "and no ERROR_OUT_OF_PAGES flag"
+            )
+    for layer_index, layer in enumerate(cache.layers):
+        for loop_index, loop_tiles in enumerate(layer.loops):
+            if loop_tiles.row_positions is None:
+                continue
+            positions = np.asarray(loop_tiles.row_positions)[:, sorted(owners)].astype(np.int32)
+            if ((positions < -1) | (positions >= c.page_size)).any():
+                problems.append(
+                    f"layers[{layer_index}].loops[{loop_index}].row_positions of used pages must be "
+                    f"in [-1, page_size={c.page_size})"
+                )
+            used = np.where(positions < 0, c.page_size + 1, positions)
+            if (np.diff(used, axis=-1) <= 0).any():
+                problems.append(
+                    f"layers[{layer_index}].loops[{loop_index}].row_positions of used pages must be "
+                    "strictly increasing, with unused rows (-1) last"
+                )
+    return problems
+
+
+def validate(cache: PagedKVCache) -> None:
+    """Check on the host that ``cache`` is internally consistent (after loading or transfer).
+
+    Checks: every array has the shape and dtype its config implies; block
+    tables hold -1 or page ids inside the pool; no page is owned twice;
+    ``page_free`` is exactly the complement of the pages in block tables;
+    lengths are within capacity; an active sequence holds a page for each of
+    its full pages (unless flagged ``ERROR_OUT_OF_PAGES``) and none beyond;
+    inactive slots hold no pages and length 0; sparse row positions of used
+    pages are in range and increasing.
+
+    Raises:
+      CacheStateError: listing every problem found.
+    """
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    problems = structure_problems(cache)
+    if not problems:
+        problems = bookkeeping_problems(cache)
+    if problems:
+        shown = problems[:20]
+        more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
+        raise CacheStateError("inconsistent PagedKVCache: " + "; ".join(shown) + more)

@@ -31,6 +31,7 @@ import numpy as np
 from .codec_spec import CodecSpec
 from .codecs import decode, encode
 from .packed import Packed
+from .validation import check_float_array, is_concrete
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,17 +63,41 @@ jax.tree_util.register_dataclass(
 
 
 def _check_positions(positions, tokens: int) -> None:
-    if positions is None or isinstance(positions, jax.core.Tracer):
+    """Rank and dtype always; range, order and uniqueness when concrete."""
+    if positions is None:
+        return
+    if np.ndim(positions) != 1:
+        raise ValueError(f"positions must be a 1-D int vector, got shape {tuple(np.shape(positions))}")
+    dtype = positions.dtype if hasattr(positions, "dtype") else np.asarray(positions).dtype
+    if not np.issubdtype(np.dtype(dtype), np.integer):
+        raise TypeError(f"positions must be integers, got {np.dtype(dtype)}")
+    if np.shape(positions)[0] > tokens:
+        raise ValueError(
+            f"positions has {np.shape(positions)[0]} entries; at most tokens={tokens} unique positions exist"
+        )
+    if not is_concrete(positions):
         return
     values = np.asarray(positions)
-    if values.ndim != 1:
-        raise ValueError(f"positions must be a 1-D int vector, got shape {values.shape}")
-    if not np.issubdtype(values.dtype, np.integer):
-        raise TypeError(f"positions must be integers, got {values.dtype}")
     if values.size and (values.min() < 0 or values.max() >= tokens):
         raise ValueError(f"positions must lie in [0, {tokens}), got min {values.min()} max {values.max()}")
     if values.size > 1 and not (np.diff(values) > 0).all():
         raise ValueError("positions must be sorted and unique (strictly increasing)")
+
+
+def residual_rows(
+    target: jax.Array, predecessor: jax.Array, positions: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """The float32 rows :func:`encode_residual` encodes, and int32 positions (or None).
+
+    ``target - predecessor`` (in the promoted compute dtype, at least float32),
+    all rows when ``positions`` is None, else the rows at ``positions``.
+    """
+    compute_dtype = jnp.promote_types(jnp.promote_types(target.dtype, predecessor.dtype), jnp.float32)
+    difference = target.astype(compute_dtype) - predecessor.astype(compute_dtype)
+    if positions is None:
+        return difference, None
+    positions = jnp.asarray(positions, jnp.int32)
+    return difference[positions], positions
 
 
 def encode_residual(
@@ -97,17 +122,19 @@ def encode_residual(
       :class:`Residual`. The difference is formed in float32 (the promoted
       compute dtype of the two operands when wider).
     """
+    check_float_array("target", target)
+    check_float_array("predecessor", predecessor)
     if target.shape != predecessor.shape:
         raise ValueError(
             f"target shape {tuple(target.shape)} must equal predecessor shape {tuple(predecessor.shape)}"
         )
+    if target.ndim != 3:
+        raise ValueError(
+            f"target must have rank 3 [tokens, kv_heads, channels], got shape {tuple(target.shape)}"
+        )
     tokens = target.shape[0]
     _check_positions(positions, tokens)
-    compute_dtype = jnp.promote_types(jnp.promote_types(target.dtype, predecessor.dtype), jnp.float32)
-    difference = target.astype(compute_dtype) - predecessor.astype(compute_dtype)
-    if positions is not None:
-        positions = jnp.asarray(positions, jnp.int32)
-        difference = difference[positions]
+    difference, positions = residual_rows(target, predecessor, positions)
     return Residual(
         packed=encode(difference, spec, implementation=implementation),
         positions=positions,
@@ -125,9 +152,22 @@ def decode_residual(residual: Residual, predecessor: jax.Array) -> jax.Array:
       float32 ``[tokens, kv_heads, channels]``; positions absent from a sparse
       residual equal ``predecessor`` unchanged.
     """
-    if predecessor.shape[0] != residual.tokens:
+    if not isinstance(residual, Residual):
+        raise TypeError(f"residual must be a Residual, got {type(residual).__name__}")
+    check_float_array("predecessor", predecessor)
+    _, heads, channels = residual.packed.shape
+    expected = (residual.tokens, heads, channels)
+    if tuple(predecessor.shape) != expected:
         raise ValueError(
-            f"predecessor has {predecessor.shape[0]} tokens, the residual was made for {residual.tokens}"
+            f"predecessor must have shape [tokens={expected[0]}, kv_heads={heads}, channels={channels}] "
+            f"(the shape the residual was made for), got {tuple(predecessor.shape)}"
+        )
+    rows = residual.packed.shape[0]
+    if residual.positions is None and rows != residual.tokens:
+        raise ValueError(f"a dense residual must have tokens={residual.tokens} rows, got {rows}")
+    if residual.positions is not None and tuple(residual.positions.shape) != (rows,):
+        raise ValueError(
+            f"residual.positions must have shape ({rows},) (one per stored row), got {tuple(residual.positions.shape)}"
         )
     base = jnp.asarray(predecessor, jnp.float32)
     delta = decode(residual.packed, jnp.float32)
@@ -173,11 +213,20 @@ def encode_chain(
     Returns:
       :class:`Chain`.
     """
+    if not loops:
+        raise ValueError("loops must hold at least one array (loop 1)")
     if not (len(residual_specs) == len(positions) == len(loops) - 1):
         raise ValueError(
             f"need {len(loops) - 1} residual specs and positions for {len(loops)} loops, "
             f"got {len(residual_specs)} and {len(positions)}"
         )
+    for index, loop in enumerate(loops):
+        check_float_array(f"loops[{index}]", loop)
+        if loop.shape != loops[0].shape:
+            raise ValueError(
+                f"loops[{index}] has shape {tuple(loop.shape)}; every loop must have the shape of "
+                f"loops[0], {tuple(loops[0].shape)}"
+            )
     base = encode(loops[0], base_spec, implementation=implementation)
     reconstructed = decode(base, jnp.float32)
     residuals = []
@@ -196,6 +245,8 @@ def encode_chain(
 def decode_chain(chain: Chain, loop: int | None = None) -> jax.Array:
     """float32 reconstruction of loop ``loop`` (1-based; default the last loop)."""
     loop = len(chain.residuals) + 1 if loop is None else loop
+    if isinstance(loop, bool) or not isinstance(loop, int | np.integer):
+        raise TypeError(f"loop must be a Python int (1-based), got {type(loop).__name__}")
     if not 1 <= loop <= len(chain.residuals) + 1:
         raise ValueError(f"loop must be in [1, {len(chain.residuals) + 1}], got {loop}")
     reconstructed = decode(chain.base, jnp.float32)

@@ -12,8 +12,10 @@ Two mesh axes (names configurable):
 
 Every operation runs the single-device code on each shard's local cache
 through ``jax.shard_map`` (the fused Pallas kernel on GPU runs per shard), so
-nothing is gathered: the compiled programs of ``append`` and attention contain
-no collectives, and ``prefill`` only reads the replicated prompt. Per-page
+nothing is gathered: attention compiles to no collective at all; ``prefill``
+and ``append`` contain one all-reduce over the model axis of a few int32 per
+sequence (the error flags and the NaN/saturation counters, which any head
+may raise), and ``prefill`` reads the replicated prompt. Per-page
 quantization groups and NVFP4 tensor scales are per (page, KV head) tile,
 which is what makes the head split free of cross-device reductions.
 
@@ -122,6 +124,31 @@ def _with_config(cache: PagedKVCache, config: CacheConfig) -> PagedKVCache:
     return dataclasses.replace(cache, config=config)
 
 
+_COUNTER_FIELDS = ("nonfinite_counts", "saturation_counts")
+_FLAG_BITS = 16
+
+
+def _combine_over_heads(before: PagedKVCache, after: PagedKVCache, mesh: Mesh, axes: MeshAxes) -> PagedKVCache:
+    """Merge what each model shard's heads flagged or counted for a sequence.
+
+    Flag bits are OR-ed and counter increments summed over the model axis:
+    one all-reduce of ``[sequences, 16 + 2]`` int32 per call (the only
+    collective of prefill and append, and only when heads are split).
+    """
+    if _axis_size(mesh, axes.model) == 1:
+        return after
+    bits = jnp.arange(_FLAG_BITS, dtype=jnp.int32)
+    flags = (after.error_flags[:, None] >> bits) & 1
+    increments = [getattr(after, f) - getattr(before, f) for f in _COUNTER_FIELDS if hasattr(after, f)]
+    total = jax.lax.psum(jnp.concatenate([flags, *[i[:, None] for i in increments]], axis=1), axes.model)
+    merged_flags = jnp.sum(jnp.where(total[:, :_FLAG_BITS] > 0, 1 << bits, 0), axis=1).astype(jnp.int32)
+    counters = {
+        f: getattr(before, f) + total[:, _FLAG_BITS + i]
+        for i, f in enumerate(f for f in _COUNTER_FIELDS if hasattr(after, f))
+    }
+    return dataclasses.replace(after, error_flags=merged_flags, **counters)
+
+
 def _shard_mapped(function, mesh, in_specs, out_specs):
     return jax.shard_map(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
@@ -143,7 +170,7 @@ def _prefill_function(mesh, local, global_config, axes, implementation):
             lambda c: c,
             cache,
         )
-        return _with_config(updated, global_config)
+        return _with_config(_combine_over_heads(cache, updated, mesh, axes), global_config)
 
     return jax.jit(_shard_mapped(body, mesh, (specs, P(), kv_spec, kv_spec, P()), specs), donate_argnums=0)
 
@@ -172,8 +199,9 @@ def _append_function(mesh, local, global_config, axes, implementation):
     step_spec = P(None, None, axes.data, axes.model, None)
 
     def body(cache, keys, values):
-        cache = paged_cache.append(_with_config(cache, local), keys, values, implementation=implementation)
-        return _with_config(cache, global_config)
+        before = _with_config(cache, local)
+        cache = paged_cache.append(before, keys, values, implementation=implementation)
+        return _with_config(_combine_over_heads(before, cache, mesh, axes), global_config)
 
     return jax.jit(_shard_mapped(body, mesh, (specs, step_spec, step_spec), specs), donate_argnums=0)
 

@@ -20,6 +20,8 @@ from jax.experimental.pallas import triton as pallas_triton
 from .exact_division import divide_rn
 
 FLOAT16_MAX = 65504.0
+FLOAT32_MIN_NORMAL = 2.0**-126
+MINIMUM_SPAN = 2.0**-121  # INT4 groups with a smaller span get scale 1 (jflashloop.int4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +83,33 @@ def _pack_words(codes):
     return jnp.sum(nibbles << shifts, axis=-1).astype(jnp.uint32)
 
 
+def _flush_subnormals(x):
+    """Subnormal float32 values become zeros of their sign (the codecs read them so)."""
+    sign_only = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x80000000), jnp.float32
+    )
+    return jnp.where(jnp.abs(x) < FLOAT32_MIN_NORMAL, sign_only, x)
+
+
+def _is_finite(x):
+    return jnp.abs(x) < jnp.inf  # False for NaN and +-inf
+
+
 def _int4_codes(x, minimum, scale, interpret):
+    x = jnp.where(x == x, x, 0.0)  # NaN is coded as 0.0 would be
     quotient = divide_rn(x - minimum, scale, interpret=interpret)
     codes = jnp.clip(_round_half_even(quotient, interpret), 0.0, 15.0)
     return jnp.where(codes == codes, codes, 0.0).astype(jnp.int32)  # NaN -> 0
+
+
+def _group_range(grouped, axis):
+    """(min, span) over finite members; a group with none counts as all zeros."""
+    finite = _is_finite(grouped)
+    minimum = jnp.min(jnp.where(finite, grouped, jnp.inf), axis=axis)
+    maximum = jnp.max(jnp.where(finite, grouped, -jnp.inf), axis=axis)
+    has_finite = minimum <= maximum
+    minimum = jnp.where(has_finite, minimum, 0.0)
+    return minimum, jnp.where(has_finite, maximum, 0.0) - minimum
 
 
 def _int4_tile(x, fmt: TileFormat, interpret):
@@ -93,18 +118,20 @@ def _int4_tile(x, fmt: TileFormat, interpret):
     stats = jnp.where(x == 0, 0.0, x)  # -0.0 counts as +0.0
     if fmt.axis == "channel":
         grouped = stats.reshape(rows // group, group, head_dim)
-        minimum = jnp.min(grouped, axis=1)
-        span = jnp.max(grouped, axis=1) - minimum
-        scale = jnp.where(span > 0, divide_rn(span, jnp.full_like(span, 15.0), interpret=interpret), 1.0)
+        minimum, span = _group_range(grouped, 1)
+        scale = jnp.where(
+            span >= MINIMUM_SPAN, divide_rn(span, jnp.full_like(span, 15.0), interpret=interpret), 1.0
+        )
         codes = _int4_codes(
             x.reshape(rows // group, group, head_dim), minimum[:, None, :], scale[:, None, :], interpret
         ).reshape(rows, head_dim)
     else:
         group = min(group, head_dim)
         grouped = stats.reshape(rows, head_dim // group, group)
-        minimum = jnp.min(grouped, axis=-1)
-        span = jnp.max(grouped, axis=-1) - minimum
-        scale = jnp.where(span > 0, divide_rn(span, jnp.full_like(span, 15.0), interpret=interpret), 1.0)
+        minimum, span = _group_range(grouped, -1)
+        scale = jnp.where(
+            span >= MINIMUM_SPAN, divide_rn(span, jnp.full_like(span, 15.0), interpret=interpret), 1.0
+        )
         codes = _int4_codes(
             x.reshape(rows, head_dim // group, group), minimum[:, :, None], scale[:, :, None], interpret
         ).reshape(rows, head_dim)
@@ -127,26 +154,28 @@ def _e2m1_code(magnitude):
 
 def _nvfp4_tile(x, interpret):
     rows, head_dim = x.shape
-    magnitude = jnp.abs(x)
+    finite = _is_finite(x)
+    magnitude = jnp.where(finite, jnp.abs(x), 0.0)  # non-finite take no part in any amax
     amax = jnp.max(jnp.max(magnitude, axis=-1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
     global_scale = divide_rn(
         jnp.maximum(amax, jnp.float32(1e-12)), jnp.full_like(amax, 6.0 * 448.0), interpret=interpret
     )
     blocks = magnitude.reshape(rows, head_dim // 16, 16)
     block_amax = jnp.max(blocks, axis=-1)  # [rows, D/16]
+    blocks = jnp.where(finite, jnp.abs(x), jnp.where(x == x, jnp.inf, 0.0)).reshape(rows, head_dim // 16, 16)
     six_global = jnp.float32(6.0) * global_scale
     local = divide_rn(block_amax, jnp.broadcast_to(six_global, block_amax.shape), interpret=interpret)
     local = _e4m3_round(jnp.clip(local, 2.0**-9, 448.0), interpret)
     denominator = local * global_scale
     quotient = divide_rn(blocks, jnp.broadcast_to(denominator[:, :, None], blocks.shape), interpret=interpret)
-    sign = (jax.lax.bitcast_convert_type(x, jnp.uint32) >> 31).astype(jnp.int32)
+    sign = jnp.where(x == x, (jax.lax.bitcast_convert_type(x, jnp.uint32) >> 31).astype(jnp.int32), 0)
     codes = _e2m1_code(quotient).reshape(rows, head_dim) | (sign << 3)
     return _pack_words(codes), _e4m3_bits(local), global_scale
 
 
 def _encode_kernel(x_ref, *out_refs, fmt: TileFormat, interpret: bool):
     # x_ref: [rows, D] float32; outputs: payload [rows, D/8] uint32, metadata refs.
-    x = x_ref[...]
+    x = _flush_subnormals(x_ref[...])
     if fmt.format == "int4":
         words, scale, minimum = _int4_tile(x, fmt, interpret)
         payload_ref, scale_ref, minimum_ref = out_refs

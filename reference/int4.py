@@ -10,10 +10,31 @@ Logical tensor: ``[tokens, kv_heads, channels]`` float32.
   ``[tokens, kv_heads, ceil(channels / group_size)]``.
 
 Per group, in float32: ``min = amin(x)`` (with -0.0 counted as +0.0), ``span = amax(x) - min``,
-``scale = span / 15`` if ``span > 0`` else ``1``; ``code = clamp(rne((x - min)
+``scale = span / 15`` if ``span >= 2**-121`` else ``1``; ``code = clamp(rne((x - min)
 / scale), 0, 15)``. Only then are min and scale rounded (RNE) to float16 for
 storage; a value beyond the float16 range is stored as +-65504. Decoding is
 ``code * float32(scale16) + float32(min16)`` in float32.
+
+Subnormal float32 inputs (``0 < |x| < 2**-126``) are read as zeros of their
+sign, and a group whose span is below ``2**-121`` (``MINIMUM_SPAN``) gets
+``scale = 1`` like a constant group: no stored bit then depends on float32
+subnormal arithmetic, which some backends flush to zero (every such group
+decodes to its float16 min either way).
+
+Non-finite inputs (the numerical edge policy):
+
+* NaN and +-inf take no part in a group's min and max (the statistics are
+  those of the group's finite members; a group with no finite member is
+  treated as all zeros: min 0, scale 1);
+* +inf is stored as code 15 and -inf as code 0 (saturated to the group's
+  range); NaN is stored as the code of 0.0 (clamped to the group's range).
+
+Each encode also counts, in float32 terms before any rounding:
+
+* ``nonfinite``: elements that are NaN or +-inf;
+* ``saturated``: finite elements of groups whose min or scale overflows
+  float16 (``|value| >= 65520``, the point where float16 rounding gives inf;
+  such metadata is stored as +-65504).
 """
 
 from __future__ import annotations
@@ -23,6 +44,26 @@ import math
 import numpy as np
 
 from . import floats
+
+MINIMUM_SPAN = 2.0**-121
+FLOAT32_MIN_NORMAL = 2.0**-126
+
+
+def flush_subnormal(value) -> np.float32:
+    """A float32 subnormal as a zero of the same sign; any other value unchanged."""
+    with np.errstate(invalid="ignore"):  # signalling NaNs
+        value = np.float32(value)
+    if value != 0 and abs(float(value)) < FLOAT32_MIN_NORMAL:
+        return np.float32(math.copysign(0.0, float(value)))
+    return value
+
+
+def flush_subnormals(x: np.ndarray) -> np.ndarray:
+    """:func:`flush_subnormal` of every element of a float32 array."""
+    if not x.size:
+        return x
+    with np.errstate(invalid="ignore"):  # signalling NaNs pass through unchanged
+        return np.vectorize(flush_subnormal, otypes=[np.float32])(x)
 
 
 def group_members(axis: str, group_size: int, shape, group_index):
@@ -79,43 +120,67 @@ def group_parameters(values):
     """float32 (min, scale) of one group's float32 values.
 
     -0.0 counts as +0.0 here, so a group's min never depends on the order of
-    its signed zeros.
+    its signed zeros. Non-finite values are left out; with no finite value
+    the group counts as all zeros.
     """
-    values = [np.float32(0.0) if v == 0 else np.float32(v) for v in values]
-    minimum = np.float32(min(values))
-    maximum = np.float32(max(values))
+    finite = [np.float32(0.0) if v == 0 else np.float32(v) for v in values if math.isfinite(v)]
+    if not finite:
+        finite = [np.float32(0.0)]
+    minimum = np.float32(min(finite))
+    maximum = np.float32(max(finite))
     with np.errstate(over="ignore", invalid="ignore"):
         span = np.float32(maximum - minimum)
-    scale = floats.divide_float32(span, np.float32(15.0)) if span > 0 else np.float32(1.0)
+    scale = floats.divide_float32(span, np.float32(15.0)) if span >= MINIMUM_SPAN else np.float32(1.0)
     return minimum, scale
+
+
+def overflows_float16(value) -> bool:
+    """True when float16 rounding of float32 ``value`` would give +-inf (or it is NaN/inf)."""
+    value = float(np.float32(value))
+    return not abs(value) < 65520.0
 
 
 def encode_int4(x: np.ndarray, axis: str, group_size: int):
     """Encode ``x`` (float32 ``[tokens, kv_heads, channels]``).
 
     Returns a dict with ``payload`` (uint8 ``[T, H, ceil(C/2)]``), ``minimum``
-    and ``scale`` (float16, :func:`metadata_shape`).
+    and ``scale`` (float16, :func:`metadata_shape`), and the Python int counts
+    ``nonfinite`` and ``saturated`` (see the module docstring).
     """
     x = np.asarray(x, dtype=np.float32)
     assert x.ndim == 3 and axis in ("channel", "token") and group_size >= 1
+    x = flush_subnormals(x)
     meta_shape = metadata_shape(axis, group_size, x.shape)
     minimum16 = np.zeros(meta_shape, dtype=np.float16)
     scale16 = np.zeros(meta_shape, dtype=np.float16)
     codes = np.zeros(x.shape, dtype=np.uint8)
+    nonfinite = saturated = 0
     for group_index in np.ndindex(*meta_shape):
         members = group_members(axis, group_size, x.shape, group_index)
         minimum, scale = group_parameters([x[m] for m in members])
+        finite_members = sum(1 for m in members if math.isfinite(x[m]))
+        nonfinite += len(members) - finite_members
+        if overflows_float16(minimum) or overflows_float16(scale):
+            saturated += finite_members
         for m in members:
+            value = np.float32(0.0) if math.isnan(x[m]) else x[m]
             with np.errstate(over="ignore", invalid="ignore"):
-                difference = np.float32(x[m] - minimum)
+                difference = np.float32(value - minimum)
             quotient = floats.divide_float32(difference, scale)
             code = floats.round_half_to_even(quotient)
-            # A NaN quotient (only reachable from NaN/Inf inputs or a span
-            # that overflows float32) is stored as code 0.
+            # A NaN quotient (+-inf over a span that overflows float32) is
+            # stored as code 0.
             codes[m] = 0 if math.isnan(code) else int(min(max(code, 0.0), 15.0))
         minimum16[group_index] = floats.float16_saturating(minimum)
-        scale16[group_index] = floats.float16_saturating(scale)
-    return {"payload": pack_nibbles(codes), "minimum": minimum16, "scale": scale16}
+        # A span beyond float32 makes the scale +inf; it is stored as 65504 too.
+        scale16[group_index] = floats.float16_saturating(min(scale, np.float32(floats.FLOAT16_MAX)))
+    return {
+        "payload": pack_nibbles(codes),
+        "minimum": minimum16,
+        "scale": scale16,
+        "nonfinite": nonfinite,
+        "saturated": saturated,
+    }
 
 
 def decode_int4(payload, minimum, scale, axis: str, group_size: int, shape):

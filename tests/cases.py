@@ -120,6 +120,24 @@ def nvfp4_saturating(rng, shape):
     return (rng.standard_normal(shape) * 1e4).astype(np.float32)
 
 
+def nonfinite(rng, shape):
+    """Normal values with NaN, +inf and -inf sprinkled in, and one all-NaN row."""
+    values = rng.standard_normal(shape).astype(np.float32)
+    choice = rng.integers(0, 12, shape)
+    values = np.where(choice == 0, np.float32(np.nan), values)
+    values = np.where(choice == 1, np.float32(np.inf), values)
+    values = np.where(choice == 2, np.float32(-np.inf), values)
+    values.reshape(-1, shape[-1])[0] = np.nan
+    return values.astype(np.float32)
+
+
+def subnormal(rng, shape):
+    """Float32 subnormals (read as signed zeros) mixed with small normal values."""
+    values = (rng.standard_normal(shape) * 1e-38).astype(np.float32)
+    values.reshape(-1)[::3] = np.float32(3e-39) * rng.choice(np.array([1, -1], np.float32))
+    return values
+
+
 CASES = {
     "random": random_with_offsets,
     "int4_exact_ties": int4_exact_ties,
@@ -132,4 +150,6 @@ CASES = {
     "nvfp4_scale_ties": nvfp4_scale_ties,
     "nvfp4_division_ties": nvfp4_division_ties,
     "nvfp4_saturating": nvfp4_saturating,
+    "nonfinite": nonfinite,
+    "subnormal": subnormal,
 }

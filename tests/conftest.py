@@ -7,6 +7,19 @@ import secrets
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property-based tests: "ci" (the default) keeps every property module fast on
+# 2 cores; HYPOTHESIS_PROFILE=long runs many more examples. Examples are
+# generated freshly each run unless HYPOTHESIS_SEED pins them (--hypothesis-seed).
+_SLOW_EXAMPLES = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+    "ci", max_examples=25, deadline=None, suppress_health_check=_SLOW_EXAMPLES, print_blob=True
+)
+settings.register_profile(
+    "long", max_examples=1000, deadline=None, suppress_health_check=_SLOW_EXAMPLES, print_blob=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture

@@ -215,3 +215,88 @@ def test_encode_rejects_bad_input():
         jflashloop.encode(jnp.ones((4, 2, 8)), jflashloop.NVFP4, implementation="cuda")
     with pytest.raises(TypeError, match="dtype"):
         jflashloop.decode(jflashloop.encode(jnp.ones((4, 2, 8)), jflashloop.NVFP4), jnp.int8)
+
+
+# --------------------------------------------------------------------------- edge values
+
+
+def _int4_codes(packed):
+    return reference.unpack_nibbles(np.asarray(packed.payload), packed.shape[2])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=str)
+def test_int4_nonfinite_values_do_not_spread_across_their_group(implementation):
+    # One group of 8 channels: NaN, +inf and -inf among finite values in [-1, 2].
+    x = np.array([[[-1.0, np.nan, 0.5, np.inf, 2.0, -np.inf, 0.0, 1.0]]], np.float32)
+    spec = jflashloop.CodecSpec("int4", "token", 8)
+    packed, statistics = jflashloop.codecs.encode_with_statistics(jnp.asarray(x), spec, implementation=implementation)
+    assert float(packed.minimum[0, 0, 0]) == -1.0 and float(packed.scale[0, 0, 0]) == np.float16(0.2)
+    assert _int4_codes(packed)[0, 0].tolist() == [0, 5, 8, 15, 15, 0, 5, 10]  # NaN as 0.0; +-inf saturated
+    assert (int(statistics.nonfinite), int(statistics.saturated)) == (3, 0)
+    decoded = np.asarray(jflashloop.decode(packed))
+    assert np.isfinite(decoded).all()
+    finite = np.isfinite(x)
+    assert np.abs(decoded[finite] - x[finite]).max() <= 0.1 + 1e-3  # half a step, as without the non-finite values
+    check_int4(x, spec, implementation)
+
+
+def test_int4_group_without_finite_values_is_a_zero_group():
+    x = np.array([[[np.nan], [np.inf], [-np.inf], [np.nan]]], np.float32).reshape(4, 1, 1)
+    packed = jflashloop.encode(jnp.asarray(x), jflashloop.CodecSpec("int4", "channel", 4))
+    assert float(packed.minimum[0, 0, 0]) == 0.0 and float(packed.scale[0, 0, 0]) == 1.0
+    assert _int4_codes(packed)[:, 0, 0].tolist() == [0, 15, 0, 0]
+    check_int4(x, jflashloop.CodecSpec("int4", "channel", 4), None)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=str)
+def test_nvfp4_nonfinite_values_saturate_and_are_counted(implementation):
+    x = np.full((1, 1, 16), 0.5, np.float32)
+    x[0, 0, :4] = [np.nan, np.inf, -np.inf, -np.nan]
+    packed, statistics = jflashloop.codecs.encode_with_statistics(
+        jnp.asarray(x), jflashloop.NVFP4, implementation=implementation
+    )
+    codes = _int4_codes(packed)[0, 0]
+    assert codes[:4].tolist() == [0, 7, 15, 0]  # NaN +0 whatever its sign, +-inf +-6
+    decoded = np.asarray(jflashloop.decode(packed))[0, 0]
+    np.testing.assert_array_equal(decoded[:4], [0.0, 0.5, -0.5, 0.0])  # +-6 * local * global = +-amax
+    np.testing.assert_array_equal(decoded[4:], 0.5)
+    assert (int(statistics.nonfinite), int(statistics.saturated)) == (4, 0)
+    check_nvfp4(x, implementation)
+
+
+def test_saturation_is_counted_not_silent():
+    int4 = jflashloop.CodecSpec("int4", "token", 4)
+    x = jnp.array([[[1.0, 2.0, 3.0, 4.0], [-1e6, 0.0, 1.0, 2.0]]], jnp.float32).reshape(2, 1, 4)
+    statistics = jflashloop.codecs.count_saturations(x, int4)
+    assert (int(statistics.nonfinite), int(statistics.saturated)) == (0, 4)  # the second group's 4 members
+    # NVFP4 with a small given global scale: 6 * 448 * 1e-3 = 2.688; 7/6 of it is 3.136.
+    y = jnp.array([[[1.0, 3.0, 3.2, -100.0] + [0.0] * 12]], jnp.float32)
+    statistics = jflashloop.codecs.count_saturations(y, jflashloop.NVFP4, global_scale=1e-3)
+    assert int(statistics.saturated) == 2
+    # Default global scale: nothing saturates, even with a huge outlier.
+    assert int(jflashloop.codecs.count_saturations(y * 1e30, jflashloop.NVFP4).saturated) == 0
+
+
+def test_statistics_work_under_jit_and_vmap(rng):
+    x = jnp.asarray(rng.standard_normal((3, 16, 2, 8)).astype(np.float32)).at[1, 0, 0, 0].set(jnp.nan)
+    spec = jflashloop.INT4_VALUES
+    _, statistics = jax.jit(jax.vmap(lambda x: jflashloop.codecs.encode_with_statistics(x, spec)))(x)
+    assert statistics.nonfinite.tolist() == [0, 1, 0] and statistics.saturated.tolist() == [0, 0, 0]
+    single, _ = jflashloop.codecs.encode_with_statistics(x[1], spec)
+    chex.assert_trees_all_equal(single, jflashloop.encode(x[1], spec))
+
+
+def test_subnormal_inputs_are_read_as_signed_zeros():
+    # XLA on CPU flushes subnormal arithmetic; the codecs read subnormals as zeros
+    # everywhere, so results agree with the oracle on every backend.
+    tiny = np.float32(1e-40)
+    x = np.array([[[tiny, -tiny, 0.0, 2.0**-126] + [0.0] * 12]], np.float32)
+    check_nvfp4(x, None)
+    check_nvfp4(x, None, np.float32(2.0**-116))
+    assert _int4_codes(jflashloop.encode(jnp.asarray(x), jflashloop.NVFP4))[0, 0, :3].tolist() == [0, 8, 0]
+    # A group whose span is below 2**-121 is encoded like a constant group.
+    group = np.array([[[2.0**-126, 2.0**-125, 3 * 2.0**-126, 0.0]]], np.float32)
+    packed = jflashloop.encode(jnp.asarray(group), jflashloop.CodecSpec("int4", "token", 4))
+    assert float(packed.scale[0, 0, 0]) == 1.0 and not _int4_codes(packed).any()
+    check_int4(group, jflashloop.CodecSpec("int4", "token", 4), None)
+    check_int4(x, jflashloop.CodecSpec("int4", "channel", 1), None)

@@ -149,7 +149,8 @@ TILE_SPECS = [
 
 
 @pytest.mark.parametrize("spec, rows", TILE_SPECS, ids=lambda v: str(v) if isinstance(v, int) else f"{v.format}-{v.axis}{v.group_size}")
-@pytest.mark.parametrize("case", ["random", "int4_division_ties", "nvfp4_division_ties", "zero_span", "negative_zero", "huge", "tiny"])
+@pytest.mark.parametrize("case", ["random", "int4_division_ties", "nvfp4_division_ties", "zero_span", "negative_zero",
+                                  "huge", "tiny", "nonfinite", "subnormal"])
 def test_quantize_kernel_is_bit_exact_with_oracle(rng, spec, rows, case):
     x = CASES[case](rng, (2 * rows, 2, 32)).reshape(2, rows, 2, 32)
     tiles = encode_tiles(jnp.asarray(x), spec, "pallas")

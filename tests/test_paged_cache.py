@@ -58,7 +58,7 @@ def looped_tokens(rng, config, tokens, *, batch=None):
 
 
 def _codec(spec):
-    return (spec.format, spec.axis, spec.group_size)
+    return (spec.format, spec.axis, spec.group_size, spec.rotation_seed)
 
 
 def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_pending=False):
@@ -365,3 +365,68 @@ def test_prefill_rejects_wrong_shapes():
     cache = paged_cache.create(config)
     with pytest.raises(ValueError, match="layers=2, loops=4"):
         paged_cache.prefill(cache, 0, jnp.zeros((2, 3, 10, 2, 16)), jnp.zeros((2, 3, 10, 2, 16)))
+
+
+# --------------------------------------------------------------------------- edge values in the cache
+
+
+def tiny_config(**overrides) -> CacheConfig:
+    arguments = dict(num_layers=1, num_pages=8, max_sequences=2, max_pages_per_sequence=4, num_loops=2)
+    arguments.update(overrides)
+    return small_config(**arguments)
+
+
+def test_nonfinite_inputs_are_stored_as_zero_counted_and_flagged(rng):
+    config = tiny_config()
+    keys, values = looped_tokens(rng, config, 40)
+    keys[0, 0, 20, 1, 3] = np.nan  # packed into page 1
+    values[0, 1, 38, 0, 0] = np.inf  # in the ring
+    keys[0, 1, 39, 0, 0] = -np.inf  # padding beyond length: not stored, not counted
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 39)
+    assert int(cache.nonfinite_counts[0]) == 2
+    assert cache.error_flags[0] & paged_cache.ERROR_NONFINITE_INPUT
+    with pytest.raises(RuntimeError, match=r"NaN or \+-inf K/V were written .*nonfinite_counts=2"):
+        paged_cache.check(cache)
+    history = History(config, 41)
+    stored_k = np.where(np.isfinite(keys), keys, 0).astype(np.float32)
+    stored_v = np.where(np.isfinite(values), values, 0).astype(np.float32)
+    history.prefill(0, stored_k, stored_v, 39)
+    # A decode token with a NaN for the active slot 0 and one for the inactive slot 1 (not counted).
+    step_k, step_v = looped_tokens(rng, config, 1, batch=config.max_sequences)
+    step_k, step_v = step_k[:, :, :, 0], step_v[:, :, :, 0]
+    step_k[0, 1, 0, 0, 5] = np.nan
+    step_k[0, 0, 1, 0, 5] = np.nan
+    cache = _append(cache, step_k, step_v)
+    history.append(np.nan_to_num(step_k, nan=0.0), step_v, np.array([True, False]))
+    assert cache.nonfinite_counts.tolist() == [3, 0]
+    assert_matches_oracle(cache, history.keys, history.values)
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    out = jflashloop.decode_attention_reference(queries, cache, 0, 1, include_pending=False)
+    assert bool(jnp.isfinite(out).all())
+    freed = paged_cache.free(cache, 0)
+    assert int(freed.nonfinite_counts[0]) == 0 and int(freed.error_flags[0]) == 0
+
+
+def test_saturation_is_counted_per_sequence(rng):
+    config = tiny_config(window_dtype="float16")
+    keys, values = looped_tokens(rng, config, 40)
+    keys[0, 0, 30, 0, 2] = 1e5  # beyond float16: the window stores 65504 and counts it
+    values[0, 0, 10, 1, 0] = 7e4  # in page 0: the base V group's min/scale saturate
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 40)
+    paged_cache.check(cache)  # saturation is a warning by default
+    with pytest.raises(RuntimeError, match=r"stored at their format's limit .*saturation_counts="):
+        paged_cache.check(cache, allow_saturation=False)
+    assert cache.error_flags[0] & paged_cache.ERROR_SATURATED
+    counted = int(cache.saturation_counts[0])
+    # 1 window value + the 16 members of the saturated V group in loop 1 (+ the loop-2
+    # residual groups that carry the outliers' differences)
+    assert counted >= 1 + 16
+    keys_out, _, _ = paged_cache.reconstruct(cache, 0, 0, 0)
+    assert float(keys_out[30, 0, 2]) == 65504.0
+    clean = _prefill(paged_cache.create(config), 0, *looped_tokens(rng, config, 40), 40)
+    assert int(clean.saturation_counts[0]) == 0 and int(clean.error_flags[0]) == 0
+
+
+def test_create_rejects_a_config_of_another_type():
+    with pytest.raises(TypeError, match="config must be a CacheConfig"):
+        paged_cache.create({"num_layers": 1})

@@ -122,3 +122,26 @@ def test_residual_storage(rng):
     # 16 rows x 2 heads x (16 payload bytes + 1 group x 4 metadata bytes) + 16 int32 positions
     assert sparse.nbytes == 16 * 2 * (16 + 4) + 16 * 4
     assert reference.int4.metadata_shape("token", 64, (16, 2, 32)) == (16, 2, 1)
+
+
+def test_nonfinite_target_rows_do_not_spread(rng):
+    target, predecessor = _looped(rng, 2, (16, 1, 16))
+    target[3, 0, 5] = np.nan
+    target[7, 0, 2] = np.inf
+    for spec in (jflashloop.INT4_VALUES, NVFP4_RESIDUAL):
+        residual = jflashloop.encode_residual(target, predecessor, spec)
+        reconstructed = np.asarray(jflashloop.decode_residual(residual, predecessor))
+        assert np.isfinite(reconstructed).all()
+        clean = np.setdiff1d(np.arange(16), [3, 7])
+        difference = (target - predecessor).astype(np.float32)
+        expected = (predecessor + round_trip(difference, _codec(spec))).astype(np.float32)
+        assert_bits_equal(reconstructed[clean], expected[clean], "rows without non-finite values")
+
+
+def test_positions_are_checked_statically_under_jit():
+    encode = jax.jit(jflashloop.encode_residual, static_argnums=2)
+    x = jnp.ones((10, 1, 8))
+    with pytest.raises(ValueError, match="1-D"):
+        encode(x, x, jflashloop.INT4_VALUES, jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match="at most tokens=10"):
+        encode(x, x, jflashloop.INT4_VALUES, jnp.arange(11, dtype=jnp.int32))

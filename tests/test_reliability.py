@@ -1,0 +1,300 @@
+"""Bad input gives a clear error or a documented, counted outcome.
+
+``BAD_INPUTS`` is the table of ``docs/reliability.md``: every row is tried
+here and must raise the listed exception with a message naming the argument
+and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflashloop
+from jflashloop import checked, paged_cache
+from jflashloop.cache_config import CacheConfig, LoopStorage
+from jflashloop.packed import Packed
+from jflashloop.validation import CacheStateError, NonFiniteInputError, SaturationError
+
+CONFIG = CacheConfig(
+    num_layers=1, num_kv_heads=1, head_dim=16, num_pages=6, max_sequences=2, max_pages_per_sequence=3,
+    page_size=16, recent_tokens=8,
+    loops=(
+        LoopStorage(jflashloop.CodecSpec("int4", "channel", 16), jflashloop.INT4_VALUES),
+        LoopStorage(jflashloop.INT4_VALUES, jflashloop.INT4_VALUES, 4),
+    ),
+)
+TOKENS = 48  # = capacity
+_prefill = jax.jit(paged_cache.prefill)
+_append = jax.jit(paged_cache.append)
+
+
+def kv(tokens=TOKENS, seed=0, layout=None):
+    rng = np.random.default_rng(seed)
+    shape = layout or (1, 2, tokens, 1, 16)
+    return rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+
+
+@functools.cache
+def one_active_cache():
+    """Slot 0 holds 20 tokens (1 page); slot 1 is free."""
+    keys, values = kv()
+    return _prefill(paged_cache.create(CONFIG), 0, keys, values, 20)
+
+
+def x3(shape=(4, 2, 8), dtype=jnp.float32):
+    return jnp.ones(shape, dtype)
+
+
+def _tampered_packed():
+    packed = jflashloop.encode(x3(), jflashloop.INT4_VALUES)
+    return dataclasses.replace(packed, scale=packed.scale.astype(jnp.float32))
+
+
+def _residual():
+    return jflashloop.encode_residual(x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES)
+
+
+def _prefill_eager(slot=1, length=20, tokens=TOKENS, cache=None, layout=None, dtype=np.float32):
+    keys, values = kv(tokens, layout=layout)
+    cache = one_active_cache() if cache is None else cache
+    return paged_cache.prefill(cache, slot, keys.astype(dtype), values.astype(dtype), length)
+
+
+def _with_inf(x):
+    x = x.copy()
+    x[0, 1, 7, 0, 3] = np.inf
+    return x
+
+
+def _corrupt(**changes):
+    return dataclasses.replace(one_active_cache(), **changes)
+
+
+BAD_INPUTS = [
+    # id, call, exception, message excerpt
+    ("encode: rank 2", lambda: jflashloop.encode(jnp.ones((4, 8)), jflashloop.INT4_KEYS),
+     ValueError, "x must have rank 3"),
+    ("encode: empty axis", lambda: jflashloop.encode(jnp.ones((0, 2, 8)), jflashloop.INT4_KEYS),
+     ValueError, "no empty axis"),
+    ("encode: int32 input", lambda: jflashloop.encode(x3(dtype=jnp.int32), jflashloop.INT4_KEYS),
+     TypeError, "float32, bfloat16 or float16"),
+    ("encode: spec not a CodecSpec", lambda: jflashloop.encode(x3(), ("int4", "token", 64)),
+     TypeError, "spec must be a CodecSpec"),
+    ("encode: global_scale with INT4", lambda: jflashloop.encode(x3(), jflashloop.INT4_KEYS, global_scale=1.0),
+     ValueError, "NVFP4 only"),
+    ("encode: global_scale 0", lambda: jflashloop.encode(x3(), jflashloop.NVFP4, global_scale=0.0),
+     ValueError, "finite positive float32 number >= 2\\*\\*-116"),
+    ("encode: global_scale NaN", lambda: jflashloop.encode(x3(), jflashloop.NVFP4, global_scale=float("nan")),
+     ValueError, "global_scale must be one finite"),
+    ("encode: global_scale 2**-120", lambda: jflashloop.encode(x3(), jflashloop.NVFP4, global_scale=2.0**-120),
+     ValueError, "2\\*\\*-116"),
+    ("encode: global_scale vector", lambda: jflashloop.encode(x3(), jflashloop.NVFP4, global_scale=np.ones(3)),
+     ValueError, "global_scale must be a scalar"),
+    ("encode: unknown implementation", lambda: jflashloop.encode(x3(), jflashloop.NVFP4, implementation="cuda"),
+     ValueError, "implementation must be None, 'xla' or 'pallas'"),
+    ("CodecSpec: NVFP4 on the channel axis", lambda: jflashloop.CodecSpec("nvfp4", "channel", 16),
+     ValueError, "NVFP4 stores one E4M3 scale per 16"),
+    ("CodecSpec: group_size 0", lambda: jflashloop.CodecSpec("int4", "token", 0),
+     ValueError, "group_size must be >= 1"),
+    ("decode: not a Packed", lambda: jflashloop.decode(np.zeros(4)), TypeError, "packed must be a Packed"),
+    ("decode: int8 output dtype", lambda: jflashloop.decode(jflashloop.encode(x3(), jflashloop.NVFP4), jnp.int8),
+     TypeError, "dtype must be float32, bfloat16 or float16"),
+    ("decode: tampered metadata dtype", lambda: jflashloop.decode(_tampered_packed()),
+     ValueError, "packed.scale must be float16"),
+    ("encode_residual: shapes differ",
+     lambda: jflashloop.encode_residual(x3((10, 1, 8)), x3((9, 1, 8)), jflashloop.INT4_VALUES),
+     ValueError, "must equal predecessor shape"),
+    ("encode_residual: int predecessor",
+     lambda: jflashloop.encode_residual(x3(), x3(dtype=jnp.int32), jflashloop.INT4_VALUES),
+     TypeError, "predecessor must have dtype"),
+    ("encode_residual: unsorted positions",
+     lambda: jflashloop.encode_residual(x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES, np.array([3, 1])),
+     ValueError, "sorted and unique"),
+    ("encode_residual: duplicate positions",
+     lambda: jflashloop.encode_residual(x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES, np.array([1, 1])),
+     ValueError, "sorted and unique"),
+    ("encode_residual: position out of range",
+     lambda: jflashloop.encode_residual(x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES, np.array([0, 10])),
+     ValueError, "positions must lie in \\[0, 10\\)"),
+    ("encode_residual: float positions",
+     lambda: jflashloop.encode_residual(x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES, np.array([0.5])),
+     TypeError, "positions must be integers"),
+    ("encode_residual: float positions under jit",
+     lambda: jax.jit(jflashloop.encode_residual, static_argnums=2)(
+         x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES, jnp.array([0.5])),
+     TypeError, "positions must be integers"),
+    ("decode_residual: predecessor of another shape", lambda: jflashloop.decode_residual(_residual(), x3((10, 1, 4))),
+     ValueError, "predecessor must have shape \\[tokens=10, kv_heads=1, channels=8\\]"),
+    ("decode_residual: predecessor of another dtype",
+     lambda: jflashloop.decode_residual(_residual(), x3((10, 1, 8), jnp.int32)),
+     TypeError, "predecessor must have dtype"),
+    ("encode_chain: loops of different shapes",
+     lambda: jflashloop.encode_chain([x3(), x3((4, 2, 4))], jflashloop.INT4_KEYS, [jflashloop.INT4_VALUES], [None]),
+     ValueError, "loops\\[1\\] has shape"),
+    ("decode_chain: loop 0", lambda: jflashloop.decode_chain(
+        jflashloop.encode_chain([x3()], jflashloop.INT4_KEYS, [], []), 0), ValueError, "loop must be in \\[1, 1\\]"),
+    ("prefill: wrong layout", lambda: _prefill_eager(layout=(1, 3, 20, 1, 16)),
+     ValueError, "keys must be \\[layers=1, loops=2, tokens, kv_heads=1, head_dim=16\\]"),
+    ("prefill: int keys", lambda: _prefill_eager(dtype=np.int32), TypeError, "keys must have a floating dtype"),
+    ("prefill: slot out of range", lambda: _prefill_eager(slot=2), IndexError, "slot must be in \\[0, 2\\), got 2"),
+    ("prefill: negative slot", lambda: _prefill_eager(slot=-1), IndexError, "slot must be in \\[0, 2\\), got -1"),
+    ("prefill: float slot", lambda: _prefill_eager(slot=1.0), TypeError, "slot must be an int"),
+    ("prefill: slot already active", lambda: _prefill_eager(slot=0), ValueError, "slot 0 is already active"),
+    ("prefill: length > tokens", lambda: _prefill_eager(length=21, tokens=20),
+     ValueError, "length must be in \\[0, tokens=20\\], got 21"),
+    ("prefill: length < 0", lambda: _prefill_eager(length=-1), ValueError, "length must be in \\[0, tokens=48\\]"),
+    ("prefill: longer than a sequence may be", lambda: _prefill_eager(length=49, tokens=64),
+     ValueError, "exceeds the sequence capacity max_pages_per_sequence \\* page_size = 3 \\* 16 = 48"),
+    ("prefill: not enough free pages",
+     lambda: _prefill_eager(cache=_corrupt(page_free=jnp.zeros((6,), bool).at[5].set(True)), length=48),
+     ValueError, "needs 3 free pages, the pool has 1"),
+    ("append: wrong layout", lambda: paged_cache.append(one_active_cache(), *kv(layout=(1, 2, 1, 1, 16))),
+     ValueError, "keys must be \\[layers=1, loops=2, max_sequences=2, kv_heads=1, head_dim=16\\]"),
+    ("write_token: loop out of range",
+     lambda: paged_cache.write_token(one_active_cache(), 0, 2, *kv(layout=(2, 1, 16))),
+     IndexError, "loop must be in \\[0, 2\\), got 2"),
+    ("reconstruct: slot out of range", lambda: paged_cache.reconstruct(one_active_cache(), 0, 0, 5),
+     IndexError, "slot must be in \\[0, 2\\), got 5"),
+    ("free: slot out of range", lambda: paged_cache.free(one_active_cache(), 2), IndexError, "slot must be in"),
+    ("validate: page owned twice",
+     lambda: paged_cache.validate(_corrupt(
+         block_tables=one_active_cache().block_tables.at[1, 0].set(one_active_cache().block_tables[0, 0]),
+         active=jnp.array([True, True]), lengths=jnp.array([20, 16]))),
+     CacheStateError, "is owned more than once"),
+    ("validate: block-table entry outside the pool",
+     lambda: paged_cache.validate(_corrupt(block_tables=one_active_cache().block_tables.at[0, 0].set(6))),
+     CacheStateError, "is outside the pool \\[0, 6\\)"),
+    ("validate: page_free disagrees with block tables",
+     lambda: paged_cache.validate(_corrupt(page_free=jnp.ones((6,), bool))),
+     CacheStateError, "marked free in page_free"),
+    ("validate: length beyond capacity",
+     lambda: paged_cache.validate(_corrupt(lengths=jnp.array([49, 0]))),
+     CacheStateError, "is outside \\[0, max_tokens_per_sequence=48\\]"),
+    ("validate: inactive slot holding pages",
+     lambda: paged_cache.validate(_corrupt(active=jnp.array([False, False]))),
+     CacheStateError, "inactive slot 0 holds pages"),
+    ("validate: wrong array dtype",
+     lambda: paged_cache.validate(_corrupt(lengths=jnp.array([20, 0], jnp.float32))),
+     CacheStateError, "lengths must be int32"),
+    ("checked.encode: NaN", lambda: checked.encode(x3().at[1, 0, 3].set(jnp.nan), jflashloop.INT4_KEYS),
+     NonFiniteInputError, "x must be finite: 1 element\\(s\\) are NaN or \\+-inf, the first at index \\(1, 0, 3\\)"),
+    ("checked.encode: INT4 metadata beyond float16",
+     lambda: checked.encode(x3().at[0, 0, 0].set(1e6), jflashloop.INT4_VALUES),
+     SaturationError, "float16 min or scale would exceed 65504"),
+    ("checked.encode: NVFP4 beyond the given global scale",
+     lambda: checked.encode(x3() * 100, jflashloop.NVFP4, global_scale=1e-3),
+     SaturationError, "6 \\* 448 \\* global_scale"),
+    ("checked.encode_residual: overflowing difference",
+     lambda: checked.encode_residual(x3() * 3e38, x3() * -3e38, jflashloop.INT4_VALUES),
+     SaturationError, "overflow float32"),
+    ("checked.prefill: inf in the prompt",
+     lambda: checked.prefill(paged_cache.create(CONFIG), 0, _with_inf(kv()[0]), kv()[1], 20),
+     NonFiniteInputError, "keys must be finite"),
+    ("checked.append: full sequence",
+     lambda: checked.append(_corrupt(lengths=jnp.array([48, 0]), block_tables=jnp.array([[0, 1, 2], [-1, -1, -1]]),
+                                     page_free=jnp.array([False] * 3 + [True] * 3)),
+                            *kv(layout=(1, 2, 2, 1, 16))),
+     ValueError, "already hold max_pages_per_sequence \\* page_size = 48 tokens"),
+]
+
+
+@pytest.mark.parametrize("call, error, message", [row[1:] for row in BAD_INPUTS], ids=[row[0] for row in BAD_INPUTS])
+def test_bad_input_gives_a_clear_error(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+# --------------------------------------------------------------------------- jitted outcomes
+
+
+def test_jitted_prefill_flags_what_it_cannot_raise():
+    cache = one_active_cache()
+    keys, values = kv()
+    # An active slot: replaced, its pages returned first (no leak), flagged.
+    replaced = _prefill(cache, 0, keys, values, 40)
+    paged_cache.validate(replaced)
+    assert int(replaced.error_flags[0]) == paged_cache.ERROR_SLOT_REPLACED
+    assert int(replaced.page_free.sum()) == CONFIG.num_pages - 2
+    # A length beyond the prompt: clamped to the prompt and flagged.
+    clamped = _prefill(cache, 1, keys[:, :, :20], values[:, :, :20], 30)
+    assert int(clamped.lengths[1]) == 20 and clamped.error_flags[1] & paged_cache.ERROR_INVALID_LENGTH
+    # An out-of-range slot: nothing happens (no page taken, no slot touched).
+    ignored = _prefill(cache, 7, keys, values, 40)
+    for before, after in zip(jax.tree.leaves(cache), jax.tree.leaves(ignored), strict=True):
+        np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+    with pytest.raises(RuntimeError, match="replaced a sequence"):
+        paged_cache.check(replaced)
+
+
+def test_jitted_free_of_an_out_of_range_slot_changes_nothing():
+    cache = one_active_cache()
+    freed = jax.jit(paged_cache.free)(cache, 5)
+    for before, after in zip(jax.tree.leaves(cache), jax.tree.leaves(freed), strict=True):
+        np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+
+
+def test_prefill_beyond_capacity_keeps_the_windows_of_the_kept_tokens():
+    config = dataclasses.replace(CONFIG, max_pages_per_sequence=2)  # 32 tokens
+    keys, values = kv(48)
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 48)
+    assert int(cache.lengths[0]) == 32 and cache.error_flags[0] & paged_cache.ERROR_SEQUENCE_FULL
+    reconstructed, _, visible = paged_cache.reconstruct(cache, 0, 0, 0)
+    stored = keys[0, 0, :32].astype(jnp.bfloat16).astype(np.float32)
+    # The most recent (unquantized) tokens are tokens 24..31, not the dropped 40..47.
+    np.testing.assert_array_equal(np.asarray(reconstructed)[24:32], stored[24:32])
+    assert int(visible) == 32
+
+
+# --------------------------------------------------------------------------- checked mode
+
+
+def test_checked_entry_points_match_the_unchecked_ones_bit_for_bit():
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((20, 2, 16)), jnp.float32)
+    for spec in (jflashloop.INT4_KEYS, jflashloop.NVFP4):
+        a, b = checked.encode(x, spec), jflashloop.encode(x, spec)
+        for leaf_a, leaf_b in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(np.asarray(leaf_a), np.asarray(leaf_b))
+    keys, values = kv()
+    mine = checked.prefill(paged_cache.create(CONFIG), 0, keys, values, 37)
+    plain = _prefill(paged_cache.create(CONFIG), 0, keys, values, 37)
+    step = kv(layout=(1, 2, 2, 1, 16), seed=3)
+    mine, plain = checked.append(mine, *step), _append(plain, *step)
+    for leaf_a, leaf_b in zip(jax.tree.leaves(mine), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(np.asarray(leaf_a), np.asarray(leaf_b))
+
+
+def test_checked_allows_saturation_when_asked():
+    x = x3().at[0, 0, 0].set(1e6)
+    packed = checked.encode(x, jflashloop.INT4_VALUES, allow_saturation=True)
+    assert float(jnp.abs(packed.scale.astype(jnp.float32)).max()) == 65504.0
+
+
+def test_checked_append_ignores_nonfinite_values_of_inactive_slots():
+    cache = one_active_cache()
+    keys, values = kv(layout=(1, 2, 2, 1, 16))
+    keys[:, :, 1] = np.nan  # slot 1 is not active: never read
+    appended = checked.append(cache, keys, values)
+    assert int(appended.lengths[0]) == 21
+    keys[:, :, 0, 0, 0] = np.inf
+    with pytest.raises(NonFiniteInputError, match="keys \\(active sequences\\) must be finite"):
+        checked.append(cache, keys, values)
+
+
+def test_checked_prefill_rejects_saturation():
+    keys, values = kv()
+    keys[0, 0, 5, 0, 0] = 2e5  # beyond float16: the base K group saturates
+    with pytest.raises(SaturationError, match="saturation_counts"):
+        checked.prefill(paged_cache.create(CONFIG), 0, keys, values, 20)
+
+
+def test_packed_type_is_checked_before_decoding():
+    packed = jflashloop.encode(x3(), jflashloop.INT4_VALUES)
+    bad = Packed(packed.payload[:, :, :2], packed.scale, packed.minimum, None, packed.spec, packed.shape)
+    with pytest.raises(ValueError, match=r"packed\.payload must be uint8"):
+        jflashloop.decode(bad)
