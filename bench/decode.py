@@ -28,7 +28,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jflashloop
 from jflashloop import paged_cache, storage
@@ -51,6 +50,7 @@ HEAD_DIM = 128
 
 
 def make_config(sequences, kv_heads, tokens, loops, value_format="int4"):
+    """``value_format``: "int4" (FlashLoop policy), "nvfp4" or "int4_rotated" (every stream)."""
     page_size = 64
     pages = tokens // page_size
     config = CacheConfig.flashloop(
@@ -61,6 +61,10 @@ def make_config(sequences, kv_heads, tokens, loops, value_format="int4"):
         nvfp4 = jflashloop.NVFP4
         new_loops = [LoopStorage(nvfp4, nvfp4, s.sparse_rows_per_page) for s in config.loops]
         config = dataclasses.replace(config, loops=tuple(new_loops))
+    if value_format == "int4_rotated":
+        keys, values = jflashloop.codec_spec.int4_rotated(HEAD_DIM, 0), jflashloop.codec_spec.int4_rotated(HEAD_DIM, 1)
+        new_loops = [LoopStorage(keys, values, s.sparse_rows_per_page) for s in config.loops]
+        config = dataclasses.replace(config, loops=tuple(new_loops))
     return config
 
 
@@ -68,6 +72,10 @@ def random_stream(key, stream, pages):
     """Random but well-formed tiles for a PagedStream-shaped pool."""
     keys = jax.random.split(key, 4)
     payload = jax.random.bits(keys[0], stream.payload.shape, jnp.uint32)
+    if stream.spec.format == "int4_rotated":
+        scale = jax.random.uniform(keys[1], stream.scale.shape, minval=0.01, maxval=0.1)
+        bits = (jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFFFFFFF0)) | jnp.uint32(7)
+        return dataclasses.replace(stream, payload=payload, scale=jax.lax.bitcast_convert_type(bits, jnp.float32))
     if stream.spec.format == "int4":
         scale = jax.random.uniform(keys[1], stream.scale.shape, minval=0.01, maxval=0.1).astype(jnp.float16)
         minimum = jax.random.uniform(keys[2], stream.minimum.shape, minval=-0.8, maxval=-0.1).astype(jnp.float16)
@@ -256,16 +264,16 @@ def benchmark_shape(name, sequences, q_heads, kv_heads, tokens, args, results):
         try:
             int8_ms = median_ms(jax.jit(pallas_paged_int8), int8_sets)
             results.append(row(name, "JAX Pallas paged int8", int8_ms, int8_bytes, cudnn_ms))
-        except Exception as error:  # noqa: BLE001 - a peer failing is a result too
+        except Exception as error:
             print(f"| {name} | JAX Pallas paged int8 | failed: {type(error).__name__}: {str(error)[:80]} | | |")
         else:
             print_row(results[-1])
         del int8_sets
     loop_counts = [1] if args.quick else [1, 2, 4]
-    formats = ["int4"] if args.quick else ["int4", "nvfp4"]
+    formats = ["int4"] if args.quick else ["int4", "nvfp4", "int4_rotated"]
     for value_format in formats:
         for loops in loop_counts:
-            if value_format == "nvfp4" and loops != 1:
+            if value_format != "int4" and loops != 1:
                 continue
             config = make_config(sequences, kv_heads, tokens, loops, value_format)
             bytes_read = kernel_bytes(config, tokens, loops - 1)
@@ -305,7 +313,7 @@ def sweep(args):
         for kernel_config in configs:
             try:
                 ms = median_ms(ours(0, kernel_config), [(queries, c) for c in caches], calls=10, batches=5)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 print(f"{name} {kernel_config}: failed {type(error).__name__}: {str(error)[:120]}", flush=True)
                 continue
             print(f"{name} warps={kernel_config.num_warps} "
@@ -357,7 +365,7 @@ def main() -> int:
         benchmark_shape(*shape, args, results)
     append_benchmark(results)
     if args.trace:
-        name, sequences, q_heads, kv_heads, tokens = SHAPES[1]
+        _name, sequences, q_heads, kv_heads, tokens = SHAPES[1]
         config = make_config(sequences, kv_heads, tokens, 4)
         cache = random_cache(config, tokens, 0)
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, HEAD_DIM), jnp.bfloat16)

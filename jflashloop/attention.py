@@ -99,6 +99,32 @@ def _window_inputs(cache: PagedKVCache, layer: int, loop: int, visible, packed_e
     return keys, values, positions
 
 
+FUSED_FORMATS = ("int4", "nvfp4", "int4_rotated")
+
+
+def kernel_rotations(cache: PagedKVCache, loop: int) -> tuple[int | None, int | None]:
+    """Rotation seeds of the K and V streams of loops ``0..loop`` for the fused kernel.
+
+    The kernel sums streams in one basis: either no stream is rotated, or
+    every K (or V) stream is ``int4_rotated`` with one seed. Raises
+    ``NotImplementedError`` for any other mix (the reference path handles it).
+    """
+    seeds = []
+    for role in ("key_spec", "value_spec"):
+        specs = [getattr(cache.config.loops[i], role) for i in range(loop + 1)]
+        unsupported = [s.format for s in specs if s.format not in FUSED_FORMATS]
+        if unsupported:
+            raise NotImplementedError(f"the fused kernel does not read {unsupported[0]!r} streams")
+        rotated = {s.rotation_seed for s in specs if s.format == "int4_rotated"}
+        if rotated and (len(rotated) > 1 or any(s.format != "int4_rotated" for s in specs)):
+            raise NotImplementedError(
+                "the fused kernel needs every stream of a chain in one basis: all int4_rotated with one "
+                "seed, or none rotated"
+            )
+        seeds.append(rotated.pop() if rotated else None)
+    return seeds[0], seeds[1]
+
+
 def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: bool):
     """The arrays and static formats the fused kernel reads for (``layer``, ``loop``)."""
     from jflashloop_pallas_kernels.decode_attention import LoopFormat, StreamFormat
@@ -180,14 +206,22 @@ def decode_attention(
       sequence: it reconstructs K and V in float32 like the reference and
       runs its two matrix products at TF32 precision.
     """
-    if implementation is None:
+    if implementation not in ("xla", "pallas", None):
+        raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
+    automatic = implementation is None
+    if automatic:
         implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if implementation == "pallas":
+        try:
+            kernel_rotations(cache, loop)
+        except NotImplementedError:
+            if not automatic:
+                raise
+            implementation = "xla"  # formats without a fused kernel use the reference path
     if implementation == "xla":
         return decode_attention_reference(
             queries, cache, layer, loop, include_pending=include_pending, scale=scale
         )
-    if implementation != "pallas":
-        raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
     from jflashloop_pallas_kernels.decode_attention import KernelConfig, paged_decode_attention
 
     c = cache.config
@@ -201,13 +235,24 @@ def decode_attention(
         raise ValueError(f"layer must be in [0, {c.num_layers}) and loop in [0, {c.num_loops}), got {layer}, {loop}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     inputs = kernel_inputs(cache, layer, loop, include_pending)
-    return paged_decode_attention(
+    key_seed, value_seed = kernel_rotations(cache, loop)
+    window_keys, window_values = inputs["window_keys"], inputs["window_values"]
+    if key_seed is not None:  # q . k = (Rq) . (Rk): rotate queries and unquantized keys
+        from .rotated_codecs import rotate
+
+        queries = rotate(queries.astype(jnp.float32), key_seed)
+        window_keys = rotate(window_keys.astype(jnp.float32), key_seed)
+    if value_seed is not None:
+        from .rotated_codecs import rotate
+
+        window_values = rotate(window_values.astype(jnp.float32), value_seed)
+    output = paged_decode_attention(
         queries,
         inputs["block_tables"],
         inputs["bounds"],
         inputs["streams"],
-        inputs["window_keys"],
-        inputs["window_values"],
+        window_keys,
+        window_values,
         inputs["window_positions"],
         loops=inputs["loops"],
         page_size=c.page_size,
@@ -217,3 +262,8 @@ def decode_attention(
         interpret=jax.default_backend() != "gpu",
         poison=poison_for_tests,
     )
+    if value_seed is not None:  # sum_t p_t R v_t = R (sum_t p_t v_t)
+        from .rotated_codecs import unrotate
+
+        output = unrotate(output, value_seed)
+    return output

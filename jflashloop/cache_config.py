@@ -101,6 +101,12 @@ class CacheConfig:
                 where = f"CacheConfig.loops[{index}].{role}"
                 if not isinstance(spec, CodecSpec):
                     raise TypeError(f"{where} must be a CodecSpec, got {type(spec).__name__}")
+                try:
+                    spec.check_shape((1, 1, self.head_dim))
+                except ValueError as error:
+                    raise ValueError(f"{where}: {error}") from None
+                if spec.format in ("int2_lloyd_max", "e8") and self.head_dim % 16:
+                    raise ValueError(f"{where}: {spec.format} pages need head_dim divisible by 16")
                 if spec.axis == "channel" and loop.is_sparse:
                     raise ValueError(f"{where}: a sparse loop must group per token (axis='token')")
                 if spec.axis == "channel" and self.page_size % spec.group_size:

@@ -105,9 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--prefix", type=int, default=128)
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    parser.add_argument("--family", action="store_true",
+                        help="also evaluate the rotated and lattice formats (int4_rotated, int2, e8)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    rows, context = evaluate(args.tokens, args.prefix)
+    policies = quality.standard_policies()
+    if args.family:
+        policies += quality.codec_family_policies(64)
+    rows, context = evaluate(args.tokens, args.prefix, policies)
     table = markdown_table(rows, context)
     print()
     print(table)

@@ -145,7 +145,7 @@ def encode_tiles(x: jax.Array, spec: CodecSpec, implementation: str | None = Non
     if head_dim % 8:
         raise ValueError(f"paged streams need head_dim divisible by 8, got {head_dim}")
     implementation = numerics.resolve_implementation(implementation)
-    if implementation == "pallas" and _kernel_can_encode(rows, head_dim):
+    if implementation == "pallas" and spec.format in ("int4", "nvfp4") and _kernel_can_encode(rows, head_dim):
         return _encode_tiles_with_kernel(x, spec)
     tiles = jnp.transpose(x, (2, 0, 1, 3))[:, :, :, None, :]  # [heads, pages, rows, 1, D]
 

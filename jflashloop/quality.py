@@ -26,7 +26,16 @@ import numpy as np
 
 from . import paged_cache, storage
 from .cache_config import CacheConfig, LoopStorage
-from .codec_spec import INT4_KEYS, INT4_VALUES, NVFP4, CodecSpec
+from .codec_spec import (
+    E8_KEYS,
+    INT4_GROUP_ROTATED_VALUES,
+    INT4_KEYS,
+    INT4_VALUES,
+    NVFP4,
+    CodecSpec,
+    int2_lloyd_max,
+    int4_rotated,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +77,17 @@ class Policy:
 
 DEFAULT_POLICY = Policy("INT4 G64, K per channel, V per token, windows 4/16")
 """The recommended default (see bench/QUALITY.md)."""
+
+
+def codec_family_policies(head_dim: int) -> list[Policy]:
+    """The rotated and lattice formats (windows 4/16) for a model's ``head_dim``."""
+    return [
+        Policy("INT4 rotated per (token, head), vLLM-style, 4/16",
+               int4_rotated(head_dim, 0), int4_rotated(head_dim, 1)),
+        Policy("INT2 Lloyd-Max per (token, head), rotated, 4/16",
+               int2_lloyd_max(head_dim, 0), int2_lloyd_max(head_dim, 1)),
+        Policy("rk2v4-e8: E8 keys + group-rotated INT4 values, 4/16", E8_KEYS, INT4_GROUP_ROTATED_VALUES),
+    ]
 
 
 def standard_policies() -> list[Policy]:

@@ -33,6 +33,12 @@ def page_bytes(config: CacheConfig) -> dict[str, int]:
     return result
 
 
+def head_token_bytes(key_spec, value_spec, head_dim: int) -> int:
+    """Bytes one token of one KV head occupies with ``key_spec`` K and ``value_spec`` V."""
+    shape = (1, 1, head_dim)
+    return key_spec.nbytes(shape) + value_spec.nbytes(shape)
+
+
 def bytes_per_token(config: CacheConfig) -> float:
     """Bytes per token per layer in full pages (all loops, K and V, all KV heads)."""
     return page_bytes(config)["total"] / config.page_size

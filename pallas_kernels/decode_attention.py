@@ -43,7 +43,7 @@ LOG2_E = math.log2(math.e)
 class StreamFormat:
     """Static description of one stored stream (one of K or V of one loop)."""
 
-    format: str  # "int4" or "nvfp4"
+    format: str  # "int4", "nvfp4" or "int4_rotated"
     axis: str  # "channel" (groups over a page's tokens) or "token"
     group_size: int
     rows: int  # stored rows per page tile
@@ -137,7 +137,13 @@ def _load_rows(ref, head, page, rows, present):
 def _dequantize(refs, fmt: StreamFormat, head, page, words, page_size, head_dim, rows=None, present=None):
     """float32 ``[page_size, head_dim]`` of one stream's tile (0 where a sparse row is absent)."""
     codes = _unpack_codes(words)
-    if fmt.format == "nvfp4":
+    if fmt.format == "int4_rotated":
+        # One float32 scale per row, its 4 low mantissa bits holding the zero
+        # point; values stay in the rotated basis (queries were rotated too).
+        scale = _load_rows(refs["scale"], head, page, rows, present)  # [P, 1]
+        zero_point = (jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(15)).astype(jnp.float32)
+        values = (codes.astype(jnp.float32) - zero_point) * scale
+    elif fmt.format == "nvfp4":
         scale = _e4m3_values(_load_rows(refs["scale"], head, page, rows, present).astype(jnp.int32))
         global_scale = refs["global_scale"][head, page]
         blocks = head_dim // 16

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import rotations
 from .int4 import decode_int4, encode_int4
 from .nvfp4 import decode_nvfp4, encode_nvfp4
 
@@ -17,14 +18,45 @@ from .nvfp4 import decode_nvfp4, encode_nvfp4
 def round_trip(tile: np.ndarray, codec) -> np.ndarray:
     """Encode then decode a float32 ``[rows, 1, D]`` tile with ``codec``.
 
-    ``codec`` is ``(format, axis, group_size)``; NVFP4 uses the tile's own amax.
+    ``codec`` is ``(format, axis, group_size)`` or, for the rotated formats,
+    ``(format, axis, group_size, rotation_seed)``; NVFP4 uses the tile's own amax.
     """
-    fmt, axis, group_size = codec
+    fmt, axis, group_size = codec[:3]
+    if fmt in ROW_CODECS:
+        seed = codec[3] if len(codec) > 3 else None
+        rows = [ROW_CODECS[fmt](tile[r, 0], group_size, seed) for r in range(tile.shape[0])]
+        return np.asarray(rows, np.float32)[:, None, :]
     if fmt == "int4":
         e = encode_int4(tile, axis, group_size)
         return decode_int4(e["payload"], e["minimum"], e["scale"], axis, group_size, tile.shape)
     e = encode_nvfp4(tile)
     return decode_nvfp4(e["payload"], e["scale"], e["global_scale"], tile.shape)
+
+
+def _round_trip_int4_rotated(vector, group_size, seed):
+    return rotations.decode_int4_rotated_vector(*rotations.encode_int4_rotated_vector(vector, seed), seed)
+
+
+def _round_trip_int2(vector, group_size, seed):
+    return rotations.decode_int2_lloyd_max_vector(*rotations.encode_int2_lloyd_max_vector(vector, seed), seed)
+
+
+def _round_trip_e8(vector, group_size, seed):
+    codes, scales = rotations.encode_e8_vector(vector, group_size)
+    return rotations.decode_e8_vector(codes, scales, len(vector), group_size)
+
+
+def _round_trip_int4_group_rotated(vector, group_size, seed):
+    codes, scales = rotations.encode_int4_group_rotated_vector(vector, group_size)
+    return rotations.decode_int4_group_rotated_vector(codes, scales, group_size)
+
+
+ROW_CODECS = {
+    "int4_rotated": _round_trip_int4_rotated,
+    "int2_lloyd_max": _round_trip_int2,
+    "e8": _round_trip_e8,
+    "int4_group_rotated": _round_trip_int4_group_rotated,
+}
 
 
 def reconstruct_pages(history, page_size, sink_tokens, loops, row_positions, loop, pages):

@@ -28,9 +28,13 @@ run_stage() {  # name, timeout seconds, command...
 }
 for stage in "$@"; do
   case $stage in
-    tests) run_stage tests 230 python3 -m pytest -q -x -n 8 -p no:cacheprovider \
-             tests/test_reference.py tests/test_codecs.py tests/test_residual.py \
-             tests/test_paged_cache.py tests/test_decode_kernel.py ;;
+    tests) run_stage tests 280 python3 -m pytest -q -n 8 -p no:cacheprovider \
+             tests/test_codecs.py tests/test_rotated_codecs.py tests/test_residual.py \
+             tests/test_paged_cache.py tests/test_decode_kernel.py tests/test_determinism.py ;;
+    trainbg) python3 bench/train_ouro.py --out "$OUT/ouro_tiny.npz" --time-budget 240 > "$OUT/train.log" 2>&1 &
+             train_pid=$! ; summary+=("train: started in the background") ;;
+    waittrain) start=$SECONDS; wait "$train_pid"; summary+=("train: exit $? after waiting $((SECONDS - start)) s") ;;
+    sharded) run_stage sharded 120 python3 examples/sharded_decode.py --data 1 --model 1 --tokens 4096 --steps 8 ;;
     sweep) run_stage sweep 140 python3 bench/decode.py --sweep ;;
     quick) run_stage quick 100 python3 bench/decode.py --quick --check ;;
     bench) run_stage bench 420 python3 bench/decode.py --json "$OUT/decode.json" --trace "$OUT/trace" ;;
@@ -43,5 +47,6 @@ done
 cat "$OUT/environment.txt"
 for line in "${summary[@]}"; do echo "$line"; done
 for stage in "$@"; do
-  [ -f "$OUT/$stage.log" ] && { echo "===== $stage (tail)"; tail -n 25 "$OUT/$stage.log"; }
+  name=$stage; [ "$stage" = waittrain ] && name=train
+  [ -f "$OUT/$name.log" ] && { echo "===== $name (tail)"; tail -n 25 "$OUT/$name.log"; }
 done

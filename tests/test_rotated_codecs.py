@@ -1,0 +1,198 @@
+"""Rotated and lattice codecs (int4_rotated, int2_lloyd_max, e8, int4_group_rotated) vs the oracles."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflashloop
+import jflashloop_reference.rotations as oracle
+from jflashloop import codec_spec, rotated_codecs, storage
+from tests.bits import assert_bits_equal
+
+ON_GPU = jax.default_backend() == "gpu"
+IMPLEMENTATIONS = ["pallas"] if ON_GPU else ["xla", "pallas"]
+
+
+def _vectors(rng, tokens, heads, dim, case):
+    if case == "random":
+        return (rng.standard_normal((tokens, heads, dim)) * rng.uniform(0.05, 8, (tokens, heads, 1))).astype(np.float32)
+    if case == "outliers":  # K-like: a few channels with large offsets
+        x = rng.standard_normal((tokens, heads, dim))
+        x[..., rng.choice(dim, 3, replace=False)] += 12.0
+        return x.astype(np.float32)
+    if case == "zero_and_constant":
+        x = np.zeros((tokens, heads, dim), np.float32)
+        x[1::2] = 0.75
+        return x
+    if case == "tiny_and_huge":
+        x = rng.standard_normal((tokens, heads, dim)).astype(np.float32)
+        x[0::2] *= np.float32(1e-20)
+        x[1::2] *= np.float32(3e3)
+        return x
+    raise ValueError(case)
+
+
+CODECS = {
+    "int4_rotated": (lambda d: codec_spec.int4_rotated(d, 7), rotated_codecs.encode_int4_rotated,
+                     rotated_codecs.decode_int4_rotated),
+    "int2_lloyd_max": (lambda d: codec_spec.int2_lloyd_max(d, 7), rotated_codecs.encode_int2_lloyd_max,
+                       rotated_codecs.decode_int2_lloyd_max),
+    "e8": (lambda d: codec_spec.E8_KEYS, rotated_codecs.encode_e8, rotated_codecs.decode_e8),
+    "int4_group_rotated": (lambda d: codec_spec.INT4_GROUP_ROTATED_VALUES,
+                           rotated_codecs.encode_int4_group_rotated, rotated_codecs.decode_int4_group_rotated),
+}
+
+
+def _oracle_row(name, vector, dim, seed=7):
+    if name == "int4_rotated":
+        codes, scale = oracle.encode_int4_rotated_vector(vector, seed)
+        return oracle.decode_int4_rotated_vector(codes, scale, seed), (codes, [scale])
+    if name == "int2_lloyd_max":
+        codes, sigma = oracle.encode_int2_lloyd_max_vector(vector, seed)
+        return oracle.decode_int2_lloyd_max_vector(codes, sigma, seed), (codes, [sigma])
+    if name == "e8":
+        codes, scales = oracle.encode_e8_vector(vector)
+        return oracle.decode_e8_vector(codes, scales, dim), ([c for pair in codes for c in pair], scales)
+    codes, scales = oracle.encode_int4_group_rotated_vector(vector)
+    return oracle.decode_int4_group_rotated_vector(codes, scales), (codes, scales)
+
+
+def _jax_codes(name, packed):
+    payload = np.asarray(packed.payload)
+    if name in ("int4_rotated", "int4_group_rotated"):
+        return np.asarray(jflashloop.nibbles.unpack_nibbles(packed.payload, packed.shape[2]))
+    if name == "int2_lloyd_max":
+        return np.asarray(rotated_codecs._unpack_crumbs(packed.payload))
+    return payload
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("case", ["random", "outliers", "zero_and_constant", "tiny_and_huge"])
+@pytest.mark.parametrize("name", list(CODECS))
+def test_rotated_codec_matches_oracle(rng, name, case, dim, implementation):
+    make_spec, encode, decode = CODECS[name]
+    spec = make_spec(dim)
+    x = _vectors(rng, 4, 2, dim, case)
+    packed = jax.jit(functools.partial(encode, spec=spec, implementation=implementation))(jnp.asarray(x))
+    decoded = np.asarray(jax.jit(decode)(packed))
+    codes = _jax_codes(name, packed)
+    scales = np.asarray(packed.scale)
+    for t in range(4):
+        for h in range(2):
+            expected, (expected_codes, expected_scales) = _oracle_row(name, x[t, h], dim)
+            assert_bits_equal(decoded[t, h], np.asarray(expected, np.float32), f"{name} decoded [{t},{h}]")
+            assert codes[t, h].tolist() == list(expected_codes), f"{name} codes [{t},{h}]"
+            assert_bits_equal(scales[t, h].reshape(-1), np.asarray(expected_scales, scales.dtype).reshape(-1),
+                              f"{name} scales [{t},{h}]")
+
+
+def test_nearest_e8_ties_and_exact_points():
+    book = oracle.e8_codebook()
+    blocks = [
+        [0.5, 0.5, 0, 0, 0, 0, 0, 0],  # equidistant from zero and several roots
+        [0.25] * 8,
+        [1, 1, 0, 0, 0, 0, 0, 0],  # a root itself
+        [-0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5],  # odd minus signs: not a root
+        [0, 0, 0, 0, 0, 0, 0, 0],
+        [0.75, -0.75, 0.25, 0.25, 0, 0, 0, 0],
+    ]
+    got = np.asarray(rotated_codecs.nearest_e8(jnp.asarray(blocks, jnp.float32)))
+    for block, index in zip(blocks, got, strict=True):
+        assert index == oracle.nearest_e8(np.asarray(block, np.float32)), block
+    assert book[got[2]] == (1.0, 1.0, 0, 0, 0, 0, 0, 0)
+
+
+def test_rotation_is_orthonormal_and_signs_are_seeded(rng):
+    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
+    y = rotated_codecs.rotate(x, 5)
+    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(rotated_codecs.unrotate(y, 5), x, atol=1e-5)
+    assert not np.array_equal(rotated_codecs.random_signs(5, 128), rotated_codecs.random_signs(6, 128))
+    assert rotated_codecs.random_signs(5, 128).tolist() == oracle.random_signs(5, 128)
+
+
+def test_storage_per_head_token():
+    # rk2v4-e8 at head_dim 256: K 64 code bytes + 4 float16 scales, V 128 + 4 scales = 208 bytes.
+    for dim, expected in ((256, 208), (128, 104), (64, 52)):
+        key = codec_spec.E8_KEYS.nbytes((1, 1, dim))
+        value = codec_spec.INT4_GROUP_ROTATED_VALUES.nbytes((1, 1, dim))
+        assert key + value == expected == storage.head_token_bytes(codec_spec.E8_KEYS,
+                                                                  codec_spec.INT4_GROUP_ROTATED_VALUES, dim)
+    assert codec_spec.int4_rotated(128).nbytes((1, 1, 128)) == 64 + 4  # scale with the zero point inside
+    assert codec_spec.int2_lloyd_max(128).nbytes((1, 1, 128)) == 32 + 2
+    assert codec_spec.int4_rotated(128).bits_per_element() == 4.25
+    assert codec_spec.int2_lloyd_max(128).bits_per_element() == 2.125
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(format="int4_rotated", axis="token", group_size=128), "rotation_seed"),
+        (dict(format="e8", axis="channel", group_size=64), "axis='token'"),
+        (dict(format="int4_group_rotated", axis="token", group_size=48), "power-of-two"),
+        (dict(format="int4", axis="token", group_size=64, rotation_seed=1), "rotation_seed"),
+    ],
+)
+def test_bad_rotated_specs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jflashloop.CodecSpec(**kwargs)
+
+
+def _rotated_config(key_spec, value_spec):
+    from jflashloop.cache_config import LoopStorage
+    from tests.test_paged_cache import small_config
+
+    base = small_config(head_dim=64, num_loops=3)
+    loops = (LoopStorage(key_spec, value_spec), LoopStorage(key_spec, value_spec), LoopStorage(key_spec, value_spec, 4))
+    return base.__class__(**{**base.__dict__, "loops": loops})
+
+
+@pytest.mark.parametrize(
+    "key_spec, value_spec",
+    [
+        (codec_spec.int4_rotated(64, 1), codec_spec.int4_rotated(64, 2)),
+        (codec_spec.int2_lloyd_max(64, 1), codec_spec.int2_lloyd_max(64, 1)),
+        (codec_spec.E8_KEYS, codec_spec.INT4_GROUP_ROTATED_VALUES),
+    ],
+    ids=["int4_rotated", "int2", "rk2v4_e8"],
+)
+def test_rotated_formats_in_the_cache_match_the_oracle(rng, key_spec, value_spec):
+    from tests.test_paged_cache import assert_matches_oracle, build
+
+    config = _rotated_config(key_spec, value_spec)
+    cache, history = build(rng, config, prompt_lengths=[40, 19], steps=9)
+    assert_matches_oracle(cache, history.keys, history.values, layers=[1], loops=[0, 2])
+
+
+def test_int4_rotated_fused_kernel_matches_reference(rng):
+    from jflashloop.attention import decode_attention
+    from tests.test_paged_cache import build
+
+    config = _rotated_config(codec_spec.int4_rotated(64, 1), codec_spec.int4_rotated(64, 2))
+    cache, _ = build(rng, config, prompt_lengths=[70, 23, 64], steps=2)
+    queries = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    tolerance = 2e-3 if ON_GPU else 1e-5
+    for loop in range(3):
+        expected = jflashloop.decode_attention_reference(queries, cache, 0, loop)
+        actual = decode_attention(queries, cache, 0, loop, implementation="pallas", poison_for_tests=True)
+        error = np.linalg.norm(np.asarray(actual - expected), axis=(1, 2)) / np.linalg.norm(np.asarray(expected), axis=(1, 2))
+        assert (error < tolerance).all(), (loop, error)
+
+
+def test_formats_without_a_fused_kernel_fall_back(rng):
+    from jflashloop.attention import decode_attention
+    from tests.test_paged_cache import build
+
+    config = _rotated_config(codec_spec.E8_KEYS, codec_spec.INT4_GROUP_ROTATED_VALUES)
+    cache, _ = build(rng, config, prompt_lengths=[30], steps=0)
+    queries = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    with pytest.raises(NotImplementedError, match="e8"):
+        decode_attention(queries, cache, 0, 0, implementation="pallas")
+    automatic = decode_attention(queries, cache, 0, 0)  # falls back to the reference path
+    assert_bits_equal(automatic, jflashloop.decode_attention_reference(queries, cache, 0, 0), "fallback")
