@@ -12,6 +12,7 @@ per element for the standard cache policies (bench/QUALITY.md).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
@@ -28,7 +29,7 @@ def _progress(total: int, description: str):
         from tqdm import tqdm
     except ImportError:  # the demo extra installs tqdm; run without a bar otherwise
         return None
-    return tqdm(total=total, desc=description, leave=False)
+    return tqdm(total=total, desc=description, leave=False, disable=not sys.stderr.isatty())
 
 
 def _bf16_bytes_per_token(config) -> int:

@@ -32,7 +32,7 @@ def _bar(total, description):
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc=description, leave=False)
+    return tqdm(total=total, desc=description, leave=False, disable=not sys.stderr.isatty())
 
 
 def evaluate(tokens: int, prefix: int, policies=None) -> tuple[list[dict], dict]:
