@@ -66,7 +66,15 @@ def _delegate(module_name: str):
     return run
 
 
+_DELEGATED = {"eval": "jflashloop.evaluation", "loops": "jflashloop.loops_report"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _DELEGATED:  # these parse their own options (including --help)
+        import importlib
+
+        return importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="jflashloop", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     from . import demo
