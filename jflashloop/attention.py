@@ -11,6 +11,21 @@ from . import paged_cache
 from .paged_cache import PagedKVCache
 
 
+def _check_arguments(queries, cache: PagedKVCache, layer: int, loop: int) -> None:
+    """Raise ``ValueError`` naming the expected shapes and index ranges."""
+    c = cache.config
+    if queries.ndim != 3:
+        raise ValueError(f"queries must have rank 3 [max_sequences, q_heads, head_dim], got {tuple(queries.shape)}")
+    sequences, q_heads, head_dim = queries.shape
+    if sequences != c.max_sequences or head_dim != c.head_dim or q_heads % c.num_kv_heads:
+        raise ValueError(
+            f"queries must be [max_sequences={c.max_sequences}, q_heads (a multiple of "
+            f"{c.num_kv_heads}), head_dim={c.head_dim}], got {tuple(queries.shape)}"
+        )
+    if not (0 <= layer < c.num_layers and 0 <= loop < c.num_loops):
+        raise ValueError(f"layer must be in [0, {c.num_layers}) and loop in [0, {c.num_loops}), got {layer}, {loop}")
+
+
 def decode_attention_reference(
     queries: jax.Array,
     cache: PagedKVCache,
@@ -40,14 +55,8 @@ def decode_attention_reference(
       no visible token.
     """
     c = cache.config
+    _check_arguments(queries, cache, layer, loop)
     sequences, q_heads, head_dim = queries.shape
-    if sequences != c.max_sequences or head_dim != c.head_dim or q_heads % c.num_kv_heads:
-        raise ValueError(
-            f"queries must be [max_sequences={c.max_sequences}, q_heads (a multiple of "
-            f"{c.num_kv_heads}), head_dim={c.head_dim}], got {tuple(queries.shape)}"
-        )
-    if not (0 <= layer < c.num_layers and 0 <= loop < c.num_loops):
-        raise ValueError(f"layer must be in [0, {c.num_layers}) and loop in [0, {c.num_loops}), got {layer}, {loop}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     group = q_heads // c.num_kv_heads
 
@@ -225,14 +234,8 @@ def decode_attention(
     from jflashloop_pallas_kernels.decode_attention import KernelConfig, paged_decode_attention
 
     c = cache.config
-    sequences, q_heads, head_dim = queries.shape
-    if sequences != c.max_sequences or head_dim != c.head_dim or q_heads % c.num_kv_heads:
-        raise ValueError(
-            f"queries must be [max_sequences={c.max_sequences}, q_heads (a multiple of "
-            f"{c.num_kv_heads}), head_dim={c.head_dim}], got {tuple(queries.shape)}"
-        )
-    if not (0 <= layer < c.num_layers and 0 <= loop < c.num_loops):
-        raise ValueError(f"layer must be in [0, {c.num_layers}) and loop in [0, {c.num_loops}), got {layer}, {loop}")
+    _check_arguments(queries, cache, layer, loop)
+    head_dim = queries.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     key_seed, value_seed = kernel_rotations(cache, loop)
