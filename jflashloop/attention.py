@@ -80,34 +80,6 @@ def decode_attention_reference(
     return jax.vmap(one_sequence)(queries, jnp.arange(sequences))
 
 
-def _window_inputs(cache: PagedKVCache, layer: int, loop: int, visible, packed_end):
-    """Sink and ring tokens of loop ``loop`` as one padded window per sequence.
-
-    Returns ``keys, values [B, H, window, D]`` and int32 positions ``[B, window]``
-    (-1 where a slot holds no visible, unpacked token).
-    """
-    c = cache.config
-    pool = cache.layers[layer]
-    parts_k = [pool.sink_keys[loop], pool.ring_keys[loop]] if c.sink_tokens else [pool.ring_keys[loop]]
-    parts_v = [pool.sink_values[loop], pool.ring_values[loop]] if c.sink_tokens else [pool.ring_values[loop]]
-    keys = jnp.concatenate(parts_k, axis=2)
-    values = jnp.concatenate(parts_v, axis=2)
-    slots = c.sink_tokens + c.window_tokens
-    window = max(16, 1 << (slots - 1).bit_length())
-    keys = jnp.pad(keys, ((0, 0), (0, 0), (0, window - slots), (0, 0)))
-    values = jnp.pad(values, ((0, 0), (0, 0), (0, window - slots), (0, 0)))
-    sink = jnp.arange(c.sink_tokens)[None, :]
-    sink_positions = jnp.where(sink < visible[:, None], sink, -1)
-    ring = jnp.arange(c.window_tokens)[None, :]
-    ring_positions = ring + c.window_tokens * jnp.floor_divide(visible[:, None] - 1 - ring, c.window_tokens)
-    ring_start = jnp.maximum(packed_end, c.sink_tokens)[:, None]
-    ring_ok = (ring_positions >= ring_start) & (ring_positions < visible[:, None]) & (ring_positions >= 0)
-    ring_positions = jnp.where(ring_ok, ring_positions, -1)
-    padding = jnp.full((visible.shape[0], window - slots), -1)
-    positions = jnp.concatenate([sink_positions, ring_positions, padding], axis=1).astype(jnp.int32)
-    return keys, values, positions
-
-
 FUSED_FORMATS = ("int4", "nvfp4", "int4_rotated")
 
 
@@ -131,6 +103,24 @@ def kernel_rotations(cache: PagedKVCache, loop: int) -> tuple[int | None, int | 
                 "seed, or none rotated"
             )
         seeds.append(rotated.pop() if rotated else None)
+    from jflashloop_pallas_kernels.decode_attention import (
+        LoopFormat,
+        StreamFormat,
+        unsupported_reason,
+    )
+
+    c = cache.config
+    formats = tuple(
+        LoopFormat(
+            StreamFormat(c.loops[i].key_spec.format, c.loops[i].key_spec.axis, c.loops[i].key_spec.group_size, c.rows(i)),
+            StreamFormat(c.loops[i].value_spec.format, c.loops[i].value_spec.axis, c.loops[i].value_spec.group_size, c.rows(i)),
+            c.loops[i].is_sparse,
+        )
+        for i in range(loop + 1)
+    )
+    reason = unsupported_reason(formats, c.head_dim, c.page_size)
+    if reason:
+        raise NotImplementedError(reason)
     return seeds[0], seeds[1]
 
 
@@ -139,15 +129,15 @@ def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: b
     from jflashloop_pallas_kernels.decode_attention import LoopFormat, StreamFormat
 
     c = cache.config
+    pool = cache.layers[layer]
     visible = cache.lengths + (1 if include_pending else 0)
     packed_end = (cache.lengths // c.page_size) * c.page_size
     packed_end = jnp.maximum(jnp.minimum(visible - c.recent_tokens, packed_end), 0)
     bounds = jnp.stack([visible, packed_end], axis=1).astype(jnp.int32)
-    window_keys, window_values, window_positions = _window_inputs(cache, layer, loop, visible, packed_end)
     streams, formats = [], []
     for index in range(loop + 1):
         storage = c.loops[index]
-        tiles = cache.layers[layer].loops[index]
+        tiles = pool.loops[index]
 
         def stream_arrays(stream):
             return {
@@ -172,13 +162,17 @@ def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: b
             LoopFormat(stream_format(storage.key_spec, rows), stream_format(storage.value_spec, rows),
                        storage.is_sparse)
         )
+    # The windows go in whole ([loops, sequences, heads, tokens, D]); the
+    # kernel reads entry ``window_loop``, so no slice is copied.
     return dict(
         block_tables=cache.block_tables,
         bounds=bounds,
         streams=tuple(streams),
-        window_keys=window_keys,
-        window_values=window_values,
-        window_positions=window_positions,
+        sink_keys=pool.sink_keys if c.sink_tokens else None,
+        sink_values=pool.sink_values if c.sink_tokens else None,
+        ring_keys=pool.ring_keys,
+        ring_values=pool.ring_values,
+        window_loop=loop,
         loops=tuple(formats),
     )
 
@@ -212,8 +206,15 @@ def decode_attention(
     Returns:
       float32 ``[max_sequences, q_heads, head_dim]``. The fused kernel matches
       the reference within a relative error (Frobenius norm) of 2e-3 per
-      sequence: it reconstructs K and V in float32 like the reference and
-      runs its two matrix products at TF32 precision.
+      sequence (typically 2e-4): codes enter its matrix products exactly,
+      decoded values, scaled queries and probabilities are rounded to float16
+      (``KernelConfig(products="float32")`` keeps float32 operands), and it
+      accumulates in float32. With float16 products, decoded K/V must lie
+      within +-65504.
+    Raises:
+      NotImplementedError: ``implementation="pallas"`` for streams the fused
+        kernel does not read (the automatic choice falls back to the
+        reference path instead).
     """
     if implementation not in ("xla", "pallas", None):
         raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
@@ -239,27 +240,33 @@ def decode_attention(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     key_seed, value_seed = kernel_rotations(cache, loop)
-    window_keys, window_values = inputs["window_keys"], inputs["window_values"]
-    if key_seed is not None:  # q . k = (Rq) . (Rk): rotate queries and unquantized keys
+    windows = {name: inputs[name] for name in ("sink_keys", "sink_values", "ring_keys", "ring_values")}
+    window_loop = inputs["window_loop"]
+    if key_seed is not None or value_seed is not None:  # rotate this loop's windows into the streams' basis
         from .rotated_codecs import rotate
 
+        window_loop = 0
+        for name, seed in (("sink_keys", key_seed), ("ring_keys", key_seed),
+                           ("sink_values", value_seed), ("ring_values", value_seed)):
+            array = windows[name]
+            if array is not None:
+                array = array[loop:loop + 1]
+                windows[name] = rotate(array.astype(jnp.float32), seed) if seed is not None else array
+    if key_seed is not None:  # q . k = (Rq) . (Rk)
         queries = rotate(queries.astype(jnp.float32), key_seed)
-        window_keys = rotate(window_keys.astype(jnp.float32), key_seed)
-    if value_seed is not None:
-        from .rotated_codecs import rotate
-
-        window_values = rotate(window_values.astype(jnp.float32), value_seed)
     output = paged_decode_attention(
         queries,
         inputs["block_tables"],
         inputs["bounds"],
         inputs["streams"],
-        window_keys,
-        window_values,
-        inputs["window_positions"],
+        windows["sink_keys"],
+        windows["sink_values"],
+        windows["ring_keys"],
+        windows["ring_values"],
         loops=inputs["loops"],
         page_size=c.page_size,
         sink_tokens=c.sink_tokens,
+        window_loop=window_loop,
         scale=scale,
         config=kernel_config or KernelConfig(),
         interpret=jax.default_backend() != "gpu",
