@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, compiled tests, kernel sweep, benchmarks.
 # Usage (from the repository root, on the device machine):
-#   bash tools/gpu_session.sh STAGE...     STAGE in: tests sweep quick bench codecs train demo
+#   bash tools/gpu_session.sh STAGE...     STAGE in: tests kerneltests sweep quick bench codecs train demo
 # Logs go to $OUT (or ./out); a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -28,16 +28,18 @@ run_stage() {  # name, timeout seconds, command...
 }
 for stage in "$@"; do
   case $stage in
-    tests) run_stage tests 280 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    tests) run_stage tests 420 python3 -m pytest -q -n 8 -p no:cacheprovider \
              tests/test_codecs.py tests/test_rotated_codecs.py tests/test_residual.py \
              tests/test_paged_cache.py tests/test_decode_kernel.py tests/test_determinism.py ;;
+    kerneltests) run_stage kerneltests 200 python3 -m pytest -q -n 8 -p no:cacheprovider \
+             tests/test_decode_kernel.py tests/test_rotated_codecs.py tests/test_determinism.py ;;
     trainbg) python3 bench/train_ouro.py --out "$OUT/ouro_tiny.npz" --time-budget 240 > "$OUT/train.log" 2>&1 &
              train_pid=$! ; summary+=("train: started in the background") ;;
     waittrain) start=$SECONDS; wait "$train_pid"; summary+=("train: exit $? after waiting $((SECONDS - start)) s") ;;
     sharded) run_stage sharded 120 python3 examples/sharded_decode.py --data 1 --model 1 --tokens 4096 --steps 8 ;;
     sweep) run_stage sweep 140 python3 bench/decode.py --sweep ;;
-    quick) run_stage quick 100 python3 bench/decode.py --quick --check ;;
-    bench) run_stage bench 420 python3 bench/decode.py --json "$OUT/decode.json" --trace "$OUT/trace" ;;
+    quick) run_stage quick 150 python3 bench/decode.py --quick --check ;;
+    bench) run_stage bench 250 python3 bench/decode.py --json "$OUT/decode.json" --trace "$OUT/trace" ;;
     codecs) run_stage codecs 60 python3 bench/codec_speed.py ;;
     train) run_stage train 420 python3 bench/train_ouro.py --out "$OUT/ouro_tiny.npz" ;;
     demo) run_stage demo 200 python3 -m jflashloop.cli demo ;;
