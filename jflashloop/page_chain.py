@@ -24,7 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from .cache_config import CacheConfig
-from .paged_stream import PagedStream, decode_tiles, encode_tiles
+from .paged_stream import (
+    PagedStream,
+    can_encode_page_pairs,
+    decode_tiles,
+    encode_page_pairs,
+    encode_tiles,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +127,6 @@ def pack_pages(
     Returns:
       One :class:`LoopTiles` per loop, each holding ``pages`` tiles.
     """
-    keys = mask_sink_rows(keys, page_numbers, config.sink_tokens)
-    values = mask_sink_rows(values, page_numbers, config.sink_tokens)
     page_size = config.page_size
     positions_in_sequence = page_numbers[:, None] * page_size + jnp.arange(page_size)[None, :]
     eligible = positions_in_sequence >= config.sink_tokens
@@ -130,11 +134,25 @@ def pack_pages(
     tiles = []
     reconstructed_keys = reconstructed_values = None
     for loop_index, storage in enumerate(config.loops):
+        if loop_index == 0 and not storage.is_sparse and can_encode_page_pairs(
+            page_size, keys.shape[-1], storage.key_spec, storage.value_spec, implementation
+        ):
+            # One kernel reads both streams in place and masks the sink rows itself.
+            key_tiles, value_tiles = encode_page_pairs(
+                keys[0], values[0], page_numbers, storage.key_spec, storage.value_spec, config.sink_tokens
+            )
+            loop_tiles = LoopTiles(key_tiles, value_tiles, None)
+            tiles.append(loop_tiles)
+            if config.num_loops > 1:
+                reconstructed_keys, reconstructed_values = apply_loop(loop_tiles, None, None)
+            continue
+        loop_keys = mask_sink_rows(keys[loop_index], page_numbers, config.sink_tokens)
+        loop_values = mask_sink_rows(values[loop_index], page_numbers, config.sink_tokens)
         if loop_index == 0:
-            key_rows, value_rows = keys[0], values[0]
+            key_rows, value_rows = loop_keys, loop_values
         else:
-            key_rows = keys[loop_index] - reconstructed_keys
-            value_rows = values[loop_index] - reconstructed_values
+            key_rows = loop_keys - reconstructed_keys
+            value_rows = loop_values - reconstructed_values
         row_positions = None
         if storage.is_sparse:
             energy = jnp.sum(key_rows**2, axis=-1) + jnp.sum(value_rows**2, axis=-1)

@@ -168,6 +168,64 @@ def encode_tiles(x: jax.Array, spec: CodecSpec, implementation: str | None = Non
     )
 
 
+def can_encode_page_pairs(
+    rows: int, head_dim: int, key_spec: CodecSpec, value_spec: CodecSpec, implementation: str | None = None
+) -> bool:
+    """Whether :func:`encode_page_pairs` takes the one-kernel path for these streams."""
+    return (
+        numerics.resolve_implementation(implementation) == "pallas"
+        and key_spec.format in ("int4", "nvfp4")
+        and value_spec.format in ("int4", "nvfp4")
+        and _kernel_can_encode(rows, head_dim)
+        and rows & (rows - 1) == 0
+    )
+
+
+def encode_page_pairs(
+    keys: jax.Array,
+    values: jax.Array,
+    page_numbers: jax.Array,
+    key_spec: CodecSpec,
+    value_spec: CodecSpec,
+    sink_tokens: int,
+) -> tuple[PagedStream, PagedStream]:
+    """Encode the K and V tiles of whole pages in one fused kernel.
+
+    Args:
+      keys, values: float32 ``[pages, rows, kv_heads, head_dim]``.
+      page_numbers: int32 ``[pages]``, each page's index in its sequence.
+      sink_tokens: rows ``< sink_tokens`` of a sequence's page 0 are replaced
+        by row ``sink_tokens`` before encoding (as ``page_chain.mask_sink_rows``).
+    Returns:
+      ``(key_stream, value_stream)``, the same bits as :func:`encode_tiles` of
+      the masked pages. Only where :func:`can_encode_page_pairs` holds (interpret
+      mode off GPU).
+    """
+    from jflashloop_pallas_kernels.quantize import TileFormat
+    from jflashloop_pallas_kernels.quantize import encode_page_pairs as encode_page_pairs_kernel
+
+    _, rows, _, head_dim = keys.shape
+    encoded = encode_page_pairs_kernel(
+        keys, values, page_numbers,
+        TileFormat(key_spec.format, key_spec.axis, key_spec.group_size),
+        TileFormat(value_spec.format, value_spec.axis, value_spec.group_size),
+        sink_tokens=sink_tokens, interpret=jax.default_backend() != "gpu",
+    )
+
+    def stream(outputs, spec):
+        return PagedStream(
+            payload=outputs["payload"],
+            scale=outputs["scale"],
+            minimum=outputs.get("minimum"),
+            global_scale=outputs.get("global_scale"),
+            spec=spec,
+            rows=rows,
+            head_dim=head_dim,
+        )
+
+    return stream(encoded[0], key_spec), stream(encoded[1], value_spec)
+
+
 def decode_tiles(stream: PagedStream) -> jax.Array:
     """Decode every tile: float32 ``[pages, rows, kv_heads, head_dim]``."""
     decoded = jax.vmap(jax.vmap(lambda p: decode(p, jnp.float32)))(_tile_packed(stream))

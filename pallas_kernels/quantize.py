@@ -173,9 +173,9 @@ def _nvfp4_tile(x, interpret):
     return _pack_words(codes), _e4m3_bits(local), global_scale
 
 
-def _encode_kernel(x_ref, *out_refs, fmt: TileFormat, interpret: bool):
-    # x_ref: [rows, D] float32; outputs: payload [rows, D/8] uint32, metadata refs.
-    x = _flush_subnormals(x_ref[...])
+def _write_tile(x, fmt: TileFormat, out_refs, interpret):
+    """Encode one float32 ``[rows, D]`` tile into its three output refs."""
+    x = _flush_subnormals(x)
     if fmt.format == "int4":
         words, scale, minimum = _int4_tile(x, fmt, interpret)
         payload_ref, scale_ref, minimum_ref = out_refs
@@ -186,6 +186,38 @@ def _encode_kernel(x_ref, *out_refs, fmt: TileFormat, interpret: bool):
         global_ref[...] = global_scale.reshape(global_ref.shape)
     payload_ref[...] = words
     scale_ref[...] = scale
+
+
+def _encode_kernel(x_ref, *out_refs, fmt: TileFormat, interpret: bool):
+    # x_ref: [rows, D] float32; outputs: payload [rows, D/8] uint32, metadata refs.
+    _write_tile(x_ref[...], fmt, out_refs, interpret)
+
+
+def _output_layout(fmt: TileFormat, rows: int, head_dim: int):
+    """(names, [(shape, dtype)]) of one tile's outputs, payload first."""
+    payload = ((rows, head_dim // 8), jnp.uint32)
+    if fmt.format == "int4":
+        group = fmt.group_size if fmt.axis == "channel" else min(fmt.group_size, head_dim)
+        meta = (rows // group, head_dim) if fmt.axis == "channel" else (rows, head_dim // group)
+        return ("payload", "scale", "minimum"), [payload, (meta, jnp.float16), (meta, jnp.float16)]
+    meta = (rows, head_dim // 16)
+    return ("payload", "scale", "global_scale"), [payload, (meta, jnp.uint8), ((1,), jnp.float32)]
+
+
+def _tile_index_map(leading: int, trailing: int):
+    """Block index map: the first ``leading`` grid indices, then ``trailing`` zeros."""
+    def index_map(*grid):
+        return tuple(grid[:leading]) + (0,) * trailing
+    return index_map
+
+
+def _finish(names, outputs):
+    result = dict(zip(names, outputs, strict=True))
+    if "global_scale" in result:
+        result["global_scale"] = result["global_scale"][..., 0]
+        # The kernel writes E4M3 bit patterns (portable: no float8 type in Triton).
+        result["scale"] = jax.lax.bitcast_convert_type(result["scale"], jnp.float8_e4m3fn)
+    return result
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "num_warps", "interpret"))
@@ -203,43 +235,91 @@ def encode_tiles(x: jax.Array, fmt: TileFormat, *, num_warps: int = 4, interpret
     """
     n, rows, head_dim = x.shape
     tile = pl.BlockSpec((None, rows, head_dim), lambda i: (i, 0, 0))
-
-    def spec(*shape):
-        return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
-
-    payload_shape = (rows, head_dim // 8)
-    if fmt.format == "int4":
-        group = fmt.group_size if fmt.axis == "channel" else min(fmt.group_size, head_dim)
-        meta = (rows // group, head_dim) if fmt.axis == "channel" else (rows, head_dim // group)
-        out_shapes = [
-            jax.ShapeDtypeStruct((n, *payload_shape), jnp.uint32),
-            jax.ShapeDtypeStruct((n, *meta), jnp.float16),
-            jax.ShapeDtypeStruct((n, *meta), jnp.float16),
-        ]
-        out_specs = [spec(*payload_shape), spec(*meta), spec(*meta)]
-        names = ("payload", "scale", "minimum")
-    else:
-        meta = (rows, head_dim // 16)
-        out_shapes = [
-            jax.ShapeDtypeStruct((n, *payload_shape), jnp.uint32),
-            jax.ShapeDtypeStruct((n, *meta), jnp.uint8),
-            jax.ShapeDtypeStruct((n, 1), jnp.float32),
-        ]
-        out_specs = [spec(*payload_shape), spec(*meta), spec(1)]
-        names = ("payload", "scale", "global_scale")
+    names, layout = _output_layout(fmt, rows, head_dim)
     outputs = pl.pallas_call(
         functools.partial(_encode_kernel, fmt=fmt, interpret=interpret),
         grid=(n,),
         in_specs=[tile],
-        out_specs=out_specs,
-        out_shape=out_shapes,
+        out_specs=[pl.BlockSpec((None, *shape), _tile_index_map(1, len(shape))) for shape, _ in layout],
+        out_shape=[jax.ShapeDtypeStruct((n, *shape), dtype) for shape, dtype in layout],
         compiler_params=pallas_triton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"jflashloop_encode_{fmt.format}_{fmt.axis}{fmt.group_size}_{rows}x{head_dim}",
     )(x.astype(jnp.float32))
-    result = dict(zip(names, outputs, strict=True))
-    if "global_scale" in result:
-        result["global_scale"] = result["global_scale"][:, 0]
-        # The kernel writes E4M3 bit patterns (portable: no float8 type in Triton).
-        result["scale"] = jax.lax.bitcast_convert_type(result["scale"], jnp.float8_e4m3fn)
-    return result
+    return _finish(names, outputs)
+
+
+def _encode_pair_kernel(page_number_ref, keys_ref, values_ref, *out_refs,
+                        key_format: TileFormat, value_format: TileFormat, sink_tokens: int, interpret: bool):
+    # keys_ref, values_ref: [rows, D] float32 (one page of one KV head); page_number_ref: [1] int32.
+    def masked(x_ref):
+        x = x_ref[...]
+        if sink_tokens == 0:
+            return x
+        rows = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+        sink = (page_number_ref[...] == 0)[None, :] & (rows < sink_tokens)  # [rows, 1]
+        return jnp.where(sink, x_ref[pl.ds(sink_tokens, 1), :], x)
+
+    _write_tile(masked(keys_ref), key_format, out_refs[:3], interpret)
+    _write_tile(masked(values_ref), value_format, out_refs[3:], interpret)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("key_format", "value_format", "sink_tokens", "num_warps", "interpret")
+)
+def encode_page_pairs(
+    keys: jax.Array,
+    values: jax.Array,
+    page_numbers: jax.Array,
+    key_format: TileFormat,
+    value_format: TileFormat,
+    *,
+    sink_tokens: int = 0,
+    num_warps: int = 4,
+    interpret: bool = False,
+):
+    """Encode the K and V tiles of whole pages in one kernel, read in place.
+
+    Args:
+      keys, values: float32 ``[pages, rows, kv_heads, head_dim]`` (token-major,
+        as the cache's pages are assembled; no transpose is needed).
+      page_numbers: int32 ``[pages]``, each page's index in its sequence.
+      sink_tokens: rows ``< sink_tokens`` of pages with page number 0 are
+        replaced by row ``sink_tokens`` before encoding (the sink rows live in
+        the unquantized window and must not widen a group's range).
+      ``rows`` and ``head_dim`` powers of two, ``head_dim >= 16``,
+      ``sink_tokens < rows``.
+
+    Returns:
+      ``(key_outputs, value_outputs)``: dicts as :func:`encode_tiles`'s, each
+      leaf head-major ``[kv_heads, pages, ...]`` (NVFP4 ``global_scale``
+      ``[kv_heads, pages]``).
+    """
+    pages, rows, heads, head_dim = keys.shape
+    if values.shape != keys.shape:
+        raise ValueError(f"values must have the shape of keys {keys.shape}, got {values.shape}")
+    if not 0 <= sink_tokens < rows:
+        raise ValueError(f"sink_tokens must be in [0, rows={rows}), got {sink_tokens}")
+    tile = pl.BlockSpec((None, rows, None, head_dim), lambda h, p: (p, 0, h, 0))
+    page_number = pl.BlockSpec((None, 1), lambda h, p: (p, 0))
+    names, shapes, specs = [], [], []
+    for fmt in (key_format, value_format):
+        fmt_names, layout = _output_layout(fmt, rows, head_dim)
+        names.append(fmt_names)
+        for shape, dtype in layout:
+            shapes.append(jax.ShapeDtypeStruct((heads, pages, *shape), dtype))
+            specs.append(pl.BlockSpec((None, None, *shape), _tile_index_map(2, len(shape))))
+    outputs = pl.pallas_call(
+        functools.partial(
+            _encode_pair_kernel, key_format=key_format, value_format=value_format,
+            sink_tokens=sink_tokens, interpret=interpret,
+        ),
+        grid=(heads, pages),
+        in_specs=[page_number, tile, tile],
+        out_specs=specs,
+        out_shape=shapes,
+        compiler_params=pallas_triton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"jflashloop_encode_pages_{key_format.format}_{value_format.format}_{rows}x{head_dim}",
+    )(page_numbers.astype(jnp.int32).reshape(pages, 1), keys.astype(jnp.float32), values.astype(jnp.float32))
+    return _finish(names[0], outputs[:3]), _finish(names[1], outputs[3:])
