@@ -5,6 +5,7 @@ Usage (GPU):
   python bench/decode.py                 # the full table (bench/RESULTS.md)
   python bench/decode.py --quick         # two shapes, for a smoke test
   python bench/decode.py --sweep         # kernel launch parameters at two shapes
+  python bench/decode.py --sweep --sweep-loops 2,4   # ... for residual chains
   python bench/decode.py --trace DIR     # also write a jax.profiler trace
   python bench/decode.py --check         # also compare the kernel with the reference path
 
@@ -302,23 +303,34 @@ def benchmark_shape(name, sequences, q_heads, kv_heads, tokens, args, results):
 
 
 def sweep(args):
-    configs = [
-        KernelConfig(num_warps=w, num_stages=s) for w in (1, 2, 4) for s in (1, 3, 5)
-    ] + [KernelConfig(target_programs=t) for t in (512, 2048)]
-    for name, sequences, q_heads, kv_heads, tokens in [SHAPES[1], SHAPES[4]]:
-        config = make_config(sequences, kv_heads, tokens, 1)
-        bytes_read = kernel_bytes(config, tokens, 0)
-        caches = [random_cache(config, tokens, i) for i in range(copies_for(bytes_read))]
-        queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, HEAD_DIM), jnp.bfloat16)
-        for kernel_config in configs:
-            try:
-                ms = median_ms(ours(0, kernel_config), [(queries, c) for c in caches], calls=10, batches=5)
-            except Exception as error:
-                print(f"{name} {kernel_config}: failed {type(error).__name__}: {str(error)[:120]}", flush=True)
-                continue
-            print(f"{name} warps={kernel_config.num_warps} "
-                  f"stages={kernel_config.num_stages} programs={kernel_config.target_programs}: "
-                  f"{ms:.3f} ms {bytes_read / (ms * 1e-3) / 1e12:.2f} TB/s", flush=True)
+    """Launch parameters: one loop at two shapes, then chains at B8 Hq32 Hkv8 T32K."""
+    loop_counts = [int(n) for n in args.sweep_loops.split(",")]
+    for loops in loop_counts:
+        if loops == 1:
+            configs = [
+                KernelConfig(num_warps=w, num_stages=s) for w in (1, 2, 4) for s in (1, 3, 5)
+            ] + [KernelConfig(target_programs=t) for t in (512, 2048)]
+            shapes = [SHAPES[1], SHAPES[4]]
+        else:
+            configs = [KernelConfig(num_warps=w, num_stages=s) for w in (1, 2, 4) for s in (2, 3, 4, 5)]
+            shapes = [SHAPES[1]]
+        for name, sequences, q_heads, kv_heads, tokens in shapes:
+            config = make_config(sequences, kv_heads, tokens, loops)
+            bytes_read = kernel_bytes(config, tokens, loops - 1)
+            caches = [random_cache(config, tokens, i) for i in range(copies_for(bytes_read))]
+            queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, HEAD_DIM), jnp.bfloat16)
+            for kernel_config in configs:
+                try:
+                    ms = median_ms(ours(loops - 1, kernel_config), [(queries, c) for c in caches],
+                                   calls=10, batches=5)
+                except Exception as error:
+                    print(f"{name} loops={loops} {kernel_config}: failed {type(error).__name__}: "
+                          f"{str(error)[:120]}", flush=True)
+                    continue
+                print(f"{name} loops={loops} warps={kernel_config.num_warps} "
+                      f"stages={kernel_config.num_stages} programs={kernel_config.target_programs}: "
+                      f"{ms:.3f} ms {bytes_read / (ms * 1e-3) / 1e12:.2f} TB/s", flush=True)
+            del caches
 
 
 def append_benchmark(results):
@@ -341,6 +353,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-loops", default="1", help="loop counts to sweep, e.g. 1,2,4")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--trace", default=None)
     parser.add_argument("--json", default=None, help="write the rows as JSON here")

@@ -97,9 +97,9 @@ class KernelConfig:
       num_warps, num_stages: Triton launch parameters; None picks them from
         the number of loops read (:meth:`launch_for`): 1 warp and 3 pipeline
         stages for a single loop (fastest on an H200 at B8 Hq32 Hkv8 T32K and
-        B1 Hq16 Hkv16 T64K, ``bench/KERNEL_NOTES.md``), 2 warps and 5 stages
-        for residual chains (the fewest warps that compile without register
-        spills there).
+        B1 Hq16 Hkv16 T64K, ``bench/KERNEL_NOTES.md``); 2 warps for residual
+        chains, with 5 stages for 2 loops and 4 stages for 3 or more (the
+        fastest in ``python bench/decode.py --sweep --sweep-loops 2,4``).
       products: ``"float16"`` (decoded tiles, scaled queries and
         probabilities rounded to float16 for the matrix products, float32
         accumulation; the default: codes are exact, typically 2e-4 relative
@@ -129,7 +129,12 @@ class KernelConfig:
     def launch_for(self, loops: tuple) -> tuple[int, int]:
         """``(num_warps, num_stages)`` for a kernel reading ``len(loops)`` loops."""
         warps = self.num_warps if self.num_warps is not None else (1 if len(loops) == 1 else 2)
-        stages = self.num_stages if self.num_stages is not None else (3 if warps == 1 else 5)
+        if self.num_stages is not None:
+            stages = self.num_stages
+        elif len(loops) == 1:
+            stages = 3 if warps == 1 else 5
+        else:
+            stages = 5 if len(loops) == 2 else 4  # each pipelined stream adds shared memory
         return warps, stages
 
     def splits_for(self, sequences: int, kv_heads: int, max_pages: int) -> int:

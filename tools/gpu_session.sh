@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, compiled tests, kernel sweep, benchmarks.
 # Usage (from the repository root, on the device machine):
-#   bash tools/gpu_session.sh STAGE...     STAGE in: tests kerneltests sweep quick bench codecs train demo
+#   bash tools/gpu_session.sh STAGE...     STAGE in: tests kerneltests sweep chainsweep probe sharded quick bench codecs train demo
 # Logs go to $OUT (or ./out); a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ run_stage() {  # name, timeout seconds, command...
 }
 for stage in "$@"; do
   case $stage in
-    tests) run_stage tests 420 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    tests) run_stage tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -n 8 -p no:cacheprovider \
              tests/test_codecs.py tests/test_rotated_codecs.py tests/test_residual.py \
              tests/test_paged_cache.py tests/test_decode_kernel.py tests/test_determinism.py ;;
     kerneltests) run_stage kerneltests 200 python3 -m pytest -q -n 8 -p no:cacheprovider \
@@ -38,6 +38,8 @@ for stage in "$@"; do
     waittrain) start=$SECONDS; wait "$train_pid"; summary+=("train: exit $? after waiting $((SECONDS - start)) s") ;;
     sharded) run_stage sharded 120 python3 examples/sharded_decode.py --data 1 --model 1 --tokens 4096 --steps 8 ;;
     sweep) run_stage sweep 140 python3 bench/decode.py --sweep ;;
+    chainsweep) run_stage chainsweep 200 python3 bench/decode.py --sweep --sweep-loops 2,4 ;;
+    probe) run_stage probe 120 python3 bench/prototypes/append_probe.py; cp /tmp/pack_hlo.txt "$OUT/" 2>/dev/null ;;
     quick) run_stage quick 150 python3 bench/decode.py --quick --check ;;
     bench) run_stage bench 250 python3 bench/decode.py --json "$OUT/decode.json" --trace "$OUT/trace" ;;
     codecs) run_stage codecs 60 python3 bench/codec_speed.py ;;
