@@ -52,44 +52,77 @@ def check(name, condition):
         sys.exit(1)
 
 
-def run_mesh(data: int, model: int, seed: int) -> None:
+LENGTHS = [37, 5, 70, 16, 1, 64, 33, 50]
+APPEND_STEPS = 20
+CHECKED = [(slot, layer, loop) for slot in (0, 2, 7) for layer, loop in ((0, 0), (1, 3))]
+
+
+def make_inputs(seed: int):
+    """Prompts, append steps (the last one with a NaN in sequence 5's last KV head) and queries."""
     rng = np.random.default_rng(seed)
+    prompts = [(tokens(rng, (2, 4, 72, 8, 16)), tokens(rng, (2, 4, 72, 8, 16))) for _ in LENGTHS]
+    steps = [(tokens(rng, (2, 4, 8, 8, 16)), tokens(rng, (2, 4, 8, 8, 16))) for _ in range(APPEND_STEPS)]
+    nan_step = np.array(tokens(rng, (2, 4, 8, 8, 16)))
+    nan_step[0, 0, 5, 7, 3] = np.nan
+    steps.append((jnp.asarray(nan_step), jnp.asarray(nan_step)))
+    queries = jnp.asarray(rng.standard_normal((8, 16, 16)), jnp.float32)  # GQA 2 per KV head
+    return prompts, steps, queries
+
+
+def single_device_reference(inputs):
+    """The same history on one device (computed once, compared against every mesh)."""
+    prompts, steps, queries = inputs
+    cache = paged_cache.create(config())
+    prefill = jax.jit(paged_cache.prefill)
+    for slot, ((keys, values), length) in enumerate(zip(prompts, LENGTHS, strict=True)):
+        cache = prefill(cache, jnp.int32(slot), keys, values, jnp.int32(length))
+    append = jax.jit(paged_cache.append)
+    states = []
+    for keys, values in steps:
+        cache = append(cache, keys, values)
+        states.append(cache)
+    before_nan = states[-2]
+    reconstruct = jax.jit(paged_cache.reconstruct, static_argnums=(1, 2))
+    attention = jax.jit(jflashloop.decode_attention, static_argnums=(2, 3), static_argnames=("include_pending",))
+    return {
+        "lengths": np.asarray(before_nan.lengths),
+        "counts": np.asarray(cache.nonfinite_counts),
+        "flags": np.asarray(cache.error_flags),
+        "reconstructions": {
+            key: [np.asarray(x) for x in reconstruct(cache, key[1], key[2], jnp.int32(key[0]))[:2]]
+            for key in CHECKED
+        },
+        "attention": {loop: attention(queries, cache, 1, loop, include_pending=False) for loop in (0, 3)},
+    }
+
+
+def run_mesh(data: int, model: int, inputs, single) -> None:
+    prompts, steps, queries = inputs
+    rng = np.random.default_rng(data)
     mesh = jax.make_mesh((data, model), ("data", "model"), axis_types=AUTO)
     c = config()
     sharded = sharding.create(c, mesh)
-    single = paged_cache.create(c)
-    lengths = [37, 5, 70, 16, 1, 64, 33, 50]
-    for slot, length in enumerate(lengths):
-        keys, values = tokens(rng, (2, 4, 72, 8, 16)), tokens(rng, (2, 4, 72, 8, 16))
+    for slot, ((keys, values), length) in enumerate(zip(prompts, LENGTHS, strict=True)):
         sharded = sharding.prefill(sharded, mesh, slot, keys, values, length)
-        single = paged_cache.prefill(single, slot, keys, values, length)
-    append = jax.jit(paged_cache.append)
-    for _ in range(20):
-        keys, values = tokens(rng, (2, 4, 8, 8, 16)), tokens(rng, (2, 4, 8, 8, 16))
+    for keys, values in steps[:-1]:
         sharded = sharding.append(sharded, mesh, keys, values)
-        single = append(single, keys, values)
     label = f"mesh {data}x{model}"
-    check(f"{label}: lengths", np.array_equal(np.asarray(sharded.lengths), np.asarray(single.lengths)))
+    check(f"{label}: lengths", np.array_equal(np.asarray(sharded.lengths), single["lengths"]))
     check(f"{label}: no error flags", not np.asarray(sharded.error_flags).any())
-    nan_step = np.array(tokens(rng, (2, 4, 8, 8, 16)))
-    nan_step[0, 0, 5, 7, 3] = np.nan  # sequence 5, last KV head
-    sharded = sharding.append(sharded, mesh, jnp.asarray(nan_step), jnp.asarray(nan_step))
-    single = append(single, jnp.asarray(nan_step), jnp.asarray(nan_step))
+    sharded = sharding.append(sharded, mesh, *steps[-1])
     check(f"{label}: a NaN in one head's shard is counted for its sequence",
-          np.array_equal(np.asarray(sharded.nonfinite_counts), np.asarray(single.nonfinite_counts))
-          and np.array_equal(np.asarray(sharded.error_flags), np.asarray(single.error_flags))
-          and int(np.asarray(single.nonfinite_counts)[5]) == 2)
-    for slot in (0, 2, 7):
-        for layer, loop in ((0, 0), (1, 3)):
-            a = sharding.reconstruct(sharded, mesh, layer, loop, slot)
-            b = paged_cache.reconstruct(single, layer, loop, slot)
-            same = all(np.array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
-                       for x, y in zip(a[:2], b[:2], strict=True))
-            check(f"{label}: slot {slot} layer {layer} loop {loop + 1} reconstruction bit-identical", same)
-    queries = jnp.asarray(rng.standard_normal((8, 16, 16)), jnp.float32)  # GQA 2 per KV head
+          np.array_equal(np.asarray(sharded.nonfinite_counts), single["counts"])
+          and np.array_equal(np.asarray(sharded.error_flags), single["flags"])
+          and int(single["counts"][5]) == 2)
+    for slot, layer, loop in CHECKED:
+        a = sharding.reconstruct(sharded, mesh, layer, loop, slot)
+        b = single["reconstructions"][(slot, layer, loop)]
+        same = all(np.array_equal(np.asarray(x).view(np.uint32), y.view(np.uint32))
+                   for x, y in zip(a[:2], b, strict=True))
+        check(f"{label}: slot {slot} layer {layer} loop {loop + 1} reconstruction bit-identical", same)
     for loop in (0, 3):
         out = sharding.decode_attention_sharded(queries, sharded, mesh, 1, loop, include_pending=False)
-        expected = jflashloop.decode_attention(queries, single, 1, loop, include_pending=False)
+        expected = single["attention"][loop]
         error = float(jnp.max(jnp.linalg.norm(out - expected, axis=(1, 2)) / jnp.linalg.norm(expected, axis=(1, 2))))
         check(f"{label}: attention loop {loop + 1} matches single device (max rel. error {error:.1e})", error < 1e-5)
         spec = (*tuple(out.sharding.spec), None, None)
@@ -144,6 +177,8 @@ if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     run_codec_checks()
     run_error_checks()
-    for seed, (data, model) in enumerate(((8, 1), (4, 2), (2, 4))):
-        run_mesh(data, model, seed)
+    inputs = make_inputs(0)
+    single = single_device_reference(inputs)
+    for data, model in ((8, 1), (4, 2), (2, 4)):
+        run_mesh(data, model, inputs, single)
     print("all sharding checks passed")
