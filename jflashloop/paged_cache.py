@@ -50,6 +50,7 @@ transferring a cache). ``docs/reliability.md`` lists every rule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -656,6 +657,13 @@ def reconstruct(
     check_static_index("layer", layer, c.num_layers)
     check_static_index("loop", loop, c.num_loops)
     check_index("slot", slot, c.max_sequences)
+    return _reconstruct(cache, layer, loop, jnp.asarray(slot, jnp.int32), include_pending)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 4))
+def _reconstruct(cache: PagedKVCache, layer: int, loop: int, slot: jax.Array, include_pending: bool):
+    """:func:`reconstruct` after its argument checks, compiled (eager calls stay fast)."""
+    c = cache.config
     pool = cache.layers[layer]
     length = cache.lengths[slot]
     visible = length + (1 if include_pending else 0)

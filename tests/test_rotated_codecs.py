@@ -166,6 +166,7 @@ def test_rotated_formats_in_the_cache_match_the_oracle(rng, key_spec, value_spec
     from tests.test_paged_cache import assert_matches_oracle, build
 
     config = _rotated_config(key_spec, value_spec)
+    # 40 + 9 tokens cross the 48-token page boundary while appending.
     cache, history = build(rng, config, prompt_lengths=[40, 19], steps=9)
     assert_matches_oracle(cache, history.keys, history.values, layers=[1], loops=[0, 2])
 
