@@ -266,15 +266,10 @@ def reconstruct(cache: PagedKVCache, mesh: Mesh, layer: int, loop: int, slot: in
     keys_parts, values_parts = [], []
     for head_shard in range(model):
         local_cache = _host_shard(host, local, data, model, shard, head_shard)
-        k, v, visible = _reconstruct_local(local_cache, layer, loop, jnp.int32(local_slot))
+        k, v, visible = paged_cache.reconstruct(local_cache, layer, loop, local_slot)
         keys_parts.append(k)
         values_parts.append(v)
     return jnp.concatenate(keys_parts, axis=1), jnp.concatenate(values_parts, axis=1), visible
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _reconstruct_local(cache: PagedKVCache, layer: int, loop: int, slot: jax.Array):
-    return paged_cache.reconstruct(cache, layer, loop, slot)
 
 
 def _host_shard(cache: PagedKVCache, local: CacheConfig, data: int, model: int, data_index: int,

@@ -77,11 +77,10 @@ def single_device_reference(inputs):
     for slot, ((keys, values), length) in enumerate(zip(prompts, LENGTHS, strict=True)):
         cache = prefill(cache, jnp.int32(slot), keys, values, jnp.int32(length))
     append = jax.jit(paged_cache.append)
-    states = []
-    for keys, values in steps:
+    for keys, values in steps[:-1]:
         cache = append(cache, keys, values)
-        states.append(cache)
-    before_nan = states[-2]
+    before_nan = cache
+    cache = append(cache, *steps[-1])
     reconstruct = jax.jit(paged_cache.reconstruct, static_argnums=(1, 2))
     attention = jax.jit(jflashloop.decode_attention, static_argnums=(2, 3), static_argnames=("include_pending",))
     return {

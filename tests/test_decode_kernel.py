@@ -204,52 +204,6 @@ def test_public_dispatch_picks_the_backend(rng):
         jflashloop.decode_attention(queries, cache, 0, 0, implementation="cuda")
 
 
-TILE_SPECS = [
-    (jflashloop.CodecSpec("int4", "channel", 16), 16),
-    (jflashloop.CodecSpec("int4", "channel", 8), 16),
-    (jflashloop.INT4_VALUES, 16),
-    (jflashloop.INT4_VALUES, 7),
-    (jflashloop.CodecSpec("int4", "token", 16), 4),
-    (jflashloop.NVFP4, 16),
-    (jflashloop.NVFP4, 5),
-]
-
-
-@pytest.mark.parametrize("spec, rows", TILE_SPECS, ids=lambda v: str(v) if isinstance(v, int) else f"{v.format}-{v.axis}{v.group_size}")
-@pytest.mark.parametrize("case", ["random", "int4_division_ties", "nvfp4_division_ties", "zero_span", "negative_zero",
-                                  "huge", "tiny", "nonfinite", "subnormal"])
-def test_quantize_kernel_is_bit_exact_with_oracle(rng, spec, rows, case):
-    x = CASES[case](rng, (2 * rows, 2, 32)).reshape(2, rows, 2, 32)
-    tiles = encode_tiles(jnp.asarray(x), spec, "pallas")
-    payload = np.asarray(jflashloop.paged_stream.bytes_from_words(tiles.payload))
-    for page in range(2):
-        for head in range(2):
-            tile = x[page, :, head, :][:, None, :]
-            if spec.format == "int4":
-                expected = reference.encode_int4(tile, spec.axis, spec.group_size)
-                assert_bits_equal(np.asarray(tiles.minimum[head, page]), expected["minimum"][:, 0], "minimum")
-                assert_bits_equal(np.asarray(tiles.scale[head, page]), expected["scale"][:, 0], "scale")
-            else:
-                expected = reference.encode_nvfp4(tile)
-                assert_bits_equal(np.asarray(tiles.scale[head, page]), expected["scale"][:, 0], "scale")
-                assert_bits_equal(np.asarray(tiles.global_scale[head, page]), np.float32(expected["global_scale"]), "global")
-            assert_bits_equal(payload[head, page], expected["payload"][:, 0], "payload")
-
-
-def test_quantize_kernel_direct_call(rng):
-    x = jnp.asarray(rng.standard_normal((3, 64, 128)), jnp.float32)
-    out = quantize.encode_tiles(x, quantize.TileFormat("int4", "channel", 64), interpret=not ON_GPU)
-    assert out["payload"].shape == (3, 64, 16) and out["payload"].dtype == jnp.uint32
-    assert out["scale"].shape == (3, 1, 128) and out["minimum"].dtype == jnp.float16
-
-
-PAIR_SPECS = {
-    "int4_int4": (jflashloop.CodecSpec("int4", "channel", 16), jflashloop.INT4_VALUES),
-    "int4_nvfp4": (jflashloop.CodecSpec("int4", "channel", 8), jflashloop.NVFP4),
-    "nvfp4_nvfp4": (jflashloop.NVFP4, jflashloop.NVFP4),
-}
-
-
 def _oracle_tile(tile, spec):
     if spec.format == "int4":
         return reference.encode_int4(tile[:, None, :], spec.axis, spec.group_size)
@@ -271,6 +225,40 @@ def _assert_stream_matches_oracle(stream, tiles, spec):
                 assert_bits_equal(
                     np.asarray(stream.global_scale[head, page]), np.float32(expected["global_scale"]), "global"
                 )
+
+
+TILE_SPECS = [
+    (jflashloop.CodecSpec("int4", "channel", 16), 16),
+    (jflashloop.CodecSpec("int4", "channel", 8), 16),
+    (jflashloop.INT4_VALUES, 16),
+    (jflashloop.INT4_VALUES, 7),
+    (jflashloop.CodecSpec("int4", "token", 16), 4),
+    (jflashloop.NVFP4, 16),
+    (jflashloop.NVFP4, 5),
+]
+
+
+@pytest.mark.parametrize("spec, rows", TILE_SPECS, ids=lambda v: str(v) if isinstance(v, int) else f"{v.format}-{v.axis}{v.group_size}")
+@pytest.mark.parametrize("case", ["random", "int4_division_ties", "nvfp4_division_ties", "zero_span", "negative_zero",
+                                  "huge", "tiny", "nonfinite", "subnormal"])
+def test_quantize_kernel_is_bit_exact_with_oracle(rng, spec, rows, case):
+    x = CASES[case](rng, (2 * rows, 2, 32)).reshape(2, rows, 2, 32)
+    tiles = encode_tiles(jnp.asarray(x), spec, "pallas")
+    _assert_stream_matches_oracle(tiles, x.transpose(2, 0, 1, 3), spec)
+
+
+def test_quantize_kernel_direct_call(rng):
+    x = jnp.asarray(rng.standard_normal((3, 64, 128)), jnp.float32)
+    out = quantize.encode_tiles(x, quantize.TileFormat("int4", "channel", 64), interpret=not ON_GPU)
+    assert out["payload"].shape == (3, 64, 16) and out["payload"].dtype == jnp.uint32
+    assert out["scale"].shape == (3, 1, 128) and out["minimum"].dtype == jnp.float16
+
+
+PAIR_SPECS = {
+    "int4_int4": (jflashloop.CodecSpec("int4", "channel", 16), jflashloop.INT4_VALUES),
+    "int4_nvfp4": (jflashloop.CodecSpec("int4", "channel", 8), jflashloop.NVFP4),
+    "nvfp4_nvfp4": (jflashloop.NVFP4, jflashloop.NVFP4),
+}
 
 
 @pytest.mark.parametrize("pair", list(PAIR_SPECS))
