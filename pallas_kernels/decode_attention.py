@@ -576,6 +576,46 @@ def _window_kernel(
     max_ref[...] = running_max
 
 
+def window_partials(query, bounds, sink_keys, sink_values, ring_keys, ring_values, *, sink_tokens: int,
+                    window_loop: int, interpret: bool = False):
+    """The window kernel alone: online-softmax partials over the sink and ring.
+
+    Args:
+      query: float32 ``[sequences, kv_heads, rows, head_dim]`` in pair order
+        (:func:`pair_order`), pre-scaled by softmax scale * log2(e).
+      bounds, sink_*, ring_*, sink_tokens, window_loop: as for
+        :func:`paged_decode_attention`.
+    Returns:
+      ``(output [S, H, 1, rows, D] (pair order), sum [S, H, 1, rows], max
+      [S, H, 1, rows])``, float32, base-2 logits.
+    """
+    sequences, kv_heads, rows, head_dim = query.shape
+    if sink_tokens == 0:
+        sink_keys = sink_values = None
+    full = pl.BlockSpec()
+    out_shape = [
+        jax.ShapeDtypeStruct((sequences, kv_heads, 1, rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((sequences, kv_heads, 1, rows), jnp.float32),
+        jax.ShapeDtypeStruct((sequences, kv_heads, 1, rows), jnp.float32),
+    ]
+    query_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
+    inputs = [query, bounds, sink_keys, sink_values, ring_keys, ring_values]
+    return pl.pallas_call(
+        functools.partial(_window_kernel, sink_tokens=sink_tokens, window_loop=window_loop),
+        grid=(sequences, kv_heads, 1),
+        in_specs=[query_spec, *jax.tree.map(lambda _: full, inputs[1:])],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, 0, 0)),
+        ],
+        out_shape=out_shape,
+        compiler_params=pallas_triton.CompilerParams(num_warps=2, num_stages=1),
+        interpret=interpret,
+        name="jflashloop_decode_windows",
+    )(*inputs)
+
+
 def _ignore_poisoned_inputs(kernel, *refs):
     """Drop the three aliased input refs (poisoned, or partials of an earlier kernel) the kernel never reads."""
     *inputs, _, _, _, output_ref, sum_ref, max_ref = refs

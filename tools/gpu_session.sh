@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, compiled tests, kernel sweep, benchmarks.
 # Usage (from the repository root, on the device machine):
-#   bash tools/gpu_session.sh STAGE...     STAGE in: tests kerneltests sweep chainsweep probe sharded quick bench codecs train demo
+#   bash tools/gpu_session.sh STAGE...     STAGE in: gluontests formulations ncugluon tests kerneltests sweep chainsweep probe sharded quick bench codecs train demo
 # Logs go to $OUT (or ./out); a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -9,11 +9,17 @@ OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
-if ! python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; then
+# jax_triton (pure Python) travels as a wheel in .whl/ when the machine has no registry.
+if ls .whl/jax_triton-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/jax_triton-*.whl >> "$OUT/install.log" 2>&1
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! python3 -m pip install --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1; then
   mkdir -p /tmp/jfl-path
   ln -sfn "$PWD/reference" /tmp/jfl-path/jflashloop_reference
   ln -sfn "$PWD/pallas_kernels" /tmp/jfl-path/jflashloop_pallas_kernels
-  export PYTHONPATH="$PWD:/tmp/jfl-path"
+  ln -sfn "$PWD/triton_kernels" /tmp/jfl-path/jflashloop_triton_kernels
+  export PYTHONPATH="$PWD:/tmp/jfl-path${PYTHONPATH:+:$PYTHONPATH}"
   echo "editable install failed; using PYTHONPATH" >> "$OUT/install.log"
 fi
 { python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())";
@@ -40,6 +46,12 @@ for stage in "$@"; do
     sweep) run_stage sweep 140 python3 bench/decode.py --sweep ;;
     chainsweep) run_stage chainsweep 200 python3 bench/decode.py --sweep --sweep-loops 2,4 ;;
     probe) run_stage probe 120 python3 bench/prototypes/append_probe.py; cp /tmp/pack_hlo.txt "$OUT/" 2>/dev/null ;;
+    gluontests) run_stage gluontests 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_gluon_decode.py ;;
+    formulations) run_stage formulations 300 python3 bench/kernel_formulations.py ;;
+    ncugluon) run_stage ncugluon 200 ncu --clock-control none -k regex:int4_pages --launch-count 1 \
+             --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
+             --section ComputeWorkloadAnalysis --section WarpStateStats \
+             python3 bench/kernel_formulations.py --profile gluon --shape 0 ;;
     quick) run_stage quick 150 python3 bench/decode.py --quick --check ;;
     bench) run_stage bench 250 python3 bench/decode.py --json "$OUT/decode.json" --trace "$OUT/trace" ;;
     codecs) run_stage codecs 60 python3 bench/codec_speed.py ;;

@@ -1,0 +1,124 @@
+"""Decode-kernel formulations side by side (GPU): the decision table of
+``bench/KERNEL_NOTES.md``.
+
+Usage:
+  python bench/kernel_formulations.py              # time and check every formulation
+  python bench/kernel_formulations.py --profile gluon --shape 0   # one call, for ncu
+
+Formulations (INT4 loop 1, FlashLoop policy, 64-token pages):
+
+* ``pallas``: the shipped Pallas-Triton kernel (whole public call).
+* ``triton``: the Gluon kernel's algorithm in plain Triton, called through
+  jax_triton (Triton chooses every layout).
+* ``gluon``: the Gluon page kernel with explicit operand layouts, called
+  through jax_triton; the windows and the merge as in the shipped wrapper.
+
+Each is timed as the whole call and, for the jax_triton ones, as the page
+kernel alone (``pages only``). Every whole call is compared with the
+reference path on the same cache. Median ms over batches of back-to-back
+calls, caches rotated beyond the L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflashloop
+from jflashloop.attention import kernel_inputs
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import decode as bench
+
+SHAPES = [bench.SHAPES[1], bench.SHAPES[4], bench.SHAPES[2], bench.SHAPES[0]]
+
+
+def formulation(name, loop=0, pages_only=False):
+    if name == "pallas":
+        return bench.ours(loop)
+    from jflashloop_triton_kernels import decode_attention as gluon
+    from jflashloop_triton_kernels import gluon_decode, triton_decode
+
+    kernel = gluon_decode.int4_pages_kernel if name == "gluon" else triton_decode.int4_pages_kernel
+
+    @jax.jit
+    def run(queries, cache):
+        c = cache.config
+        inputs = kernel_inputs(cache, 0, loop, True)
+        return gluon.paged_decode_attention(
+            queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
+            inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
+            page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=loop,
+            scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel)
+
+    return run
+
+
+def relative_error(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.linalg.norm(actual - expected, axis=(1, 2)) / np.linalg.norm(expected, axis=(1, 2))))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default=None, help="run one formulation a few times (for ncu) and exit")
+    parser.add_argument("--shape", type=int, default=0)
+    parser.add_argument("--shapes", default="0,1")
+    parser.add_argument("--names", default="pallas,triton,gluon")
+    args = parser.parse_args()
+    if jax.default_backend() != "gpu":
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.profile:
+        name, sequences, q_heads, kv_heads, tokens = SHAPES[args.shape]
+        config = bench.make_config(sequences, kv_heads, tokens, 1)
+        cache = bench.random_cache(config, tokens, 0)
+        queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, bench.HEAD_DIM), jnp.bfloat16)
+        run = formulation(args.profile)
+        for _ in range(3):
+            jax.block_until_ready(run(queries, cache))
+        return 0
+    bandwidth = bench.copy_bandwidth()
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; plain copy {bandwidth:.2f} TB/s", flush=True)
+    print("| shape | formulation | ms | TB/s on bytes read | % of copy | x cuDNN BF16 | max rel. error |")
+    print("|---|---|---|---|---|---|---|")
+    for index in (int(i) for i in args.shapes.split(",")):
+        name, sequences, q_heads, kv_heads, tokens = SHAPES[index]
+        bf16_bytes = 2 * sequences * tokens * kv_heads * bench.HEAD_DIM * 2
+        sets = [bench.bf16_inputs(sequences, q_heads, kv_heads, tokens, i) for i in range(bench.copies_for(bf16_bytes))]
+        cudnn_ms = bench.median_ms(bench.cudnn_attention, sets)
+        del sets
+        print(f"| {name} | cuDNN BF16 | {cudnn_ms:.3f} | {bf16_bytes / cudnn_ms / 1e9:.2f} | "
+              f"{100 * bf16_bytes / cudnn_ms / 1e9 / bandwidth:.0f}% | 1.00x | |", flush=True)
+        config = bench.make_config(sequences, kv_heads, tokens, 1)
+        bytes_read = bench.kernel_bytes(config, tokens, 0)
+        caches = [bench.random_cache(config, tokens, i) for i in range(bench.copies_for(bytes_read))]
+        queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, bench.HEAD_DIM), jnp.bfloat16)
+        expected = jflashloop.decode_attention_reference(queries, caches[0], 0, 0)
+        for fname in args.names.split(","):
+            variants = [(fname, False)] + ([(fname + " (pages only)", True)] if fname != "pallas" else [])
+            for label, pages_only in variants:
+                try:
+                    run = formulation(fname, pages_only=pages_only)
+                    ms = bench.median_ms(run, [(queries, c) for c in caches])
+                    error = "" if pages_only else f"{relative_error(run(queries, caches[0]), expected):.2e}"
+                except Exception as failure:  # report and go on: one broken variant must not hide the rest
+                    print(f"| {name} | {label} | failed: {type(failure).__name__}: {str(failure)[:300]} |", flush=True)
+                    continue
+                tb = bytes_read / ms / 1e9
+                print(f"| {name} | {label} | {ms:.3f} | {tb:.2f} | {100 * tb / bandwidth:.0f}% | "
+                      f"{cudnn_ms / ms:.2f}x | {error} |", flush=True)
+        floor = bytes_read / bandwidth / 1e9
+        print(f"| {name} | byte floor ({bytes_read / 1e6:.0f} MB at the copy bandwidth) | {floor:.3f} | | | "
+              f"{cudnn_ms / floor:.2f}x | |", flush=True)
+        del caches
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

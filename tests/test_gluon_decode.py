@@ -1,0 +1,98 @@
+"""The Gluon INT4 page kernel (GPU only: Gluon kernels have no CPU interpreter)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflashloop
+from jflashloop.attention import kernel_inputs
+from jflashloop.cache_config import LoopStorage
+from tests.test_paged_cache import build, small_config
+
+ON_GPU = jax.default_backend() == "gpu"
+pytestmark = pytest.mark.gpu
+
+
+def _available():
+    if not ON_GPU:
+        return False
+    from jflashloop_triton_kernels import call
+
+    return call.available()
+
+
+requires_gluon = pytest.mark.skipif(not _available(), reason="needs a CUDA GPU with triton and jax_triton")
+TOLERANCE = 2e-3
+
+
+def one_loop_config(head_dim, page_size, value_group=64, **overrides):
+    base = small_config(num_loops=1, head_dim=head_dim, page_size=page_size, **overrides)
+    loop = LoopStorage(jflashloop.CodecSpec("int4", "channel", page_size),
+                       jflashloop.CodecSpec("int4", "token", value_group))
+    return dataclasses.replace(base, loops=(loop,))
+
+
+def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None):
+    from jflashloop_triton_kernels import decode_attention as gluon
+
+    c = cache.config
+    inputs = kernel_inputs(cache, layer, 0, include_pending)
+    return gluon.paged_decode_attention(
+        queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
+        inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
+        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=0, scale=1 / math.sqrt(c.head_dim),
+        splits=splits)
+
+
+def relative_errors(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return np.linalg.norm(actual - expected, axis=(-2, -1)) / np.linalg.norm(expected, axis=(-2, -1))
+
+
+@requires_gluon
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_gluon_kernel_matches_reference(rng, head_dim, page_size, group):
+    config = one_loop_config(head_dim, page_size, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
+    cache, _ = build(rng, config, prompt_lengths=[37, 5, 8 * page_size + 3], steps=2)
+    queries = jnp.asarray(rng.standard_normal((3, 2 * group, head_dim)) * 2, jnp.float32)
+    expected = jflashloop.decode_attention_reference(queries, cache, 1, 0, include_pending=False)
+    for splits in (1, 3, None):
+        actual = gluon_attention(queries, cache, 1, splits=splits)
+        errors = relative_errors(actual, expected)
+        assert (errors < TOLERANCE).all(), (splits, errors)
+
+
+@requires_gluon
+@pytest.mark.parametrize("value_group", [16, 32, 128])
+def test_gluon_kernel_value_groups(rng, value_group):
+    config = one_loop_config(128, 64, value_group=value_group)
+    cache, _ = build(rng, config, prompt_lengths=[300, 64, 129], steps=1)
+    queries = jnp.asarray(rng.standard_normal((3, 8, 128)), jnp.float32)
+    expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=False)
+    assert (relative_errors(gluon_attention(queries, cache, 0), expected) < TOLERANCE).all()
+
+
+@requires_gluon
+def test_gluon_kernel_outlier_channels_and_pending_token(rng):
+    """Keys with a few channels 10x the rest and large per-channel offsets (real-model K)."""
+    config = one_loop_config(128, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
+    cache = jflashloop.paged_cache.create(config)
+    for slot, length in enumerate([700, 65, 1000]):
+        keys = rng.standard_normal((config.num_layers, 1, 1024, 2, 128))
+        keys[..., :6] *= 10
+        keys += rng.standard_normal((1, 1, 1, 2, 128)) * 3
+        values = rng.standard_normal((config.num_layers, 1, 1024, 2, 128))
+        cache = jflashloop.paged_cache.prefill(cache, slot, jnp.asarray(keys, jnp.float32),
+                                               jnp.asarray(values, jnp.float32), length)
+    queries = jnp.asarray(rng.standard_normal((3, 8, 128)), jnp.float32)
+    expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=True)
+    actual = gluon_attention(queries, cache, 0, include_pending=True)
+    assert (relative_errors(actual, expected) < TOLERANCE).all()

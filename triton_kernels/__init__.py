@@ -1,0 +1,1 @@
+"""Triton and Gluon kernels of jflashloop, called from JAX (installed as ``jflashloop_triton_kernels``)."""

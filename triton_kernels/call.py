@@ -1,0 +1,93 @@
+"""Calling Triton and Gluon kernels from JAX, through ``jax_triton``.
+
+``jax_triton.triton_call`` compiles a ``triton.jit`` kernel and runs it as an
+XLA custom call under ``jax.jit``. Releases before 0.4 compile only Triton
+(``tt``) kernels; :func:`triton_call` here also accepts a ``gluon.jit``
+kernel by compiling it with ``triton.compile`` (the same stages Triton's own
+launcher runs) and handing the result to jax_triton's custom call. Everything
+else (arguments, grid, aliasing, the custom call) is jax_triton's.
+
+Importing this module needs a CUDA build of jaxlib, ``triton`` and
+``jax_triton``: :func:`available` says whether they are there.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``jax_triton`` (and a GPU jaxlib) can be imported."""
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _compile_gluon(fn, arg_dtypes, scalar_args, *, num_warps, num_ctas, compute_capability, metaparams, lib):
+    """Compile a Gluon kernel for ``compute_capability``: (TritonKernel, specialization attrs)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    backend = lib.get_cuda_backend(0, compute_capability)
+    signature = {fn.arg_names[i]: v for i, v in enumerate(arg_dtypes)}
+    alignments = [16] * len(arg_dtypes)  # jax buffers are 16-byte aligned (as jax_triton assumes)
+    for i, _, _ in scalar_args:
+        alignments[i] = 0
+    specialization = [
+        lib._triton.native_specialize_impl(
+            backend, types.SimpleNamespace(data_ptr=lambda a=a: a, dtype=t.removeprefix("*")), False, True, a > 0)
+        for t, a in zip(arg_dtypes, alignments, strict=True)
+    ]
+    attrs = {(i,): backend.parse_attr(attr) for i, (_, attr) in enumerate(specialization)}
+    constants = dict(metaparams)
+    # jax_triton specializes scalar arguments equal to 1 (and passes them no parameter).
+    constants.update({fn.arg_names[i]: 1 for i, _, v in scalar_args if v == 1})
+    for name in constants:
+        signature[name] = "constexpr"
+    source = GluonASTSource(fn, signature, constants, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
+                              options={"num_warps": num_warps, "num_ctas": num_ctas})
+    kernel = lib.triton_kernel_call_lib.TritonKernel(
+        compiled.metadata.name, num_warps, num_ctas, compiled.metadata.shared, compiled.asm["ptx"],
+        "", compute_capability)
+    return kernel, attrs
+
+
+@functools.cache
+def _install_gluon_support() -> None:
+    from jax_triton import triton_lib as lib
+
+    original = lib.get_or_create_triton_kernel
+    cache = {}
+
+    def get_or_create(backend_init_func, platform, fn, arg_dtypes, scalar_args, *, num_warps, num_stages,
+                      num_ctas, compute_capability, enable_fp_fusion, metaparams, dump):
+        if not (hasattr(fn, "is_gluon") and fn.is_gluon()):
+            return original(backend_init_func, platform, fn, arg_dtypes, scalar_args, num_warps=num_warps,
+                            num_stages=num_stages, num_ctas=num_ctas, compute_capability=compute_capability,
+                            enable_fp_fusion=enable_fp_fusion, metaparams=metaparams, dump=dump)
+        if compute_capability is None:
+            compute_capability = lib.triton_kernel_call_lib.get_compute_capability(0)
+        num_warps = 4 if num_warps is None else num_warps
+        key = (fn, tuple(arg_dtypes), tuple(scalar_args), num_warps, num_ctas, compute_capability,
+               tuple(sorted(metaparams.items())))
+        if key not in cache:
+            cache[key] = _compile_gluon(fn, arg_dtypes, scalar_args, num_warps=num_warps, num_ctas=num_ctas,
+                                        compute_capability=compute_capability, metaparams=metaparams, lib=lib)
+        return cache[key]
+
+    lib.get_or_create_triton_kernel = get_or_create
+
+
+def triton_call(*args, kernel, **kwargs):
+    """``jax_triton.triton_call`` that also takes ``gluon.jit`` kernels (same arguments)."""
+    import jax_triton
+
+    if hasattr(kernel, "is_gluon") and kernel.is_gluon() and jax_triton.__version_info__ < (0, 4):
+        _install_gluon_support()
+    return jax_triton.triton_call(*args, kernel=kernel, **kwargs)

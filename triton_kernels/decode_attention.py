@@ -1,0 +1,123 @@
+"""Decode attention over a paged INT4 cache with the Gluon page kernel (GPU).
+
+The page kernel (:mod:`jflashloop_triton_kernels.gluon_decode`) writes one
+online-softmax partial per split; the Pallas window kernel adds the sink and
+recent windows; a log-sum-exp merge combines them. Same arguments and result
+as :func:`jflashloop_pallas_kernels.decode_attention.paged_decode_attention`
+for the streams :func:`unsupported_reason` accepts.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jflashloop_pallas_kernels import decode_attention as pallas_decode
+
+ROWS = 8
+LOG2_E = math.log2(math.e)
+
+
+def unsupported_reason(loops, head_dim: int, page_size: int, group: int) -> str | None:
+    """Why the Gluon kernel cannot read these streams, or None if it can."""
+    if len(loops) != 1 or loops[0].sparse:
+        return "the Gluon kernel reads one dense loop"
+    keys, values = loops[0].keys, loops[0].values
+    if (keys.format, keys.axis, values.format, values.axis) != ("int4", "channel", "int4", "token"):
+        return "the Gluon kernel reads INT4 keys grouped per channel and INT4 values grouped per token"
+    if keys.group_size != page_size:
+        return "the Gluon kernel needs one key group per page"
+    if head_dim not in (64, 128, 256):
+        return f"the Gluon kernel reads head_dim 64, 128 or 256, got {head_dim}"
+    if values.group_size < head_dim // 8 or values.group_size & (values.group_size - 1):
+        return f"the Gluon kernel needs value groups of a power of two >= head_dim / 8, got {values.group_size}"
+    if not 16 <= page_size <= 128:
+        return f"the Gluon kernel reads pages of 16 to 128 tokens, got {page_size}"
+    if group > ROWS:
+        return f"the Gluon kernel reads GQA groups of at most {ROWS} query heads, got {group}"
+    return None
+
+
+def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dict[str, Any], *,
+                  page_size: int, sink_tokens: int, value_group: int, splits: int, kernel=None,
+                  num_warps: int = 1, num_stages: int = 1):
+    """Run the Gluon page kernel.
+
+    Args:
+      query: float32 ``[S, H, 8, D]`` (natural channel order), pre-scaled by
+        softmax scale * log2(e).
+      block_tables, bounds: as for ``paged_decode_attention``.
+      keys, values: one loop's stream arrays (``payload`` uint32 ``[H, pool,
+        page, D/8]``, ``scale`` / ``minimum`` float16).
+    Returns:
+      ``(out [S, H, splits, 8, D], sum [S, H, splits, 8], max [S, H, splits, 8])``
+      float32, natural channel order.
+    """
+    from . import call, gluon_decode
+
+    kernel = gluon_decode.int4_pages_kernel if kernel is None else kernel
+
+    sequences, kv_heads, _, head_dim = query.shape
+    pool = keys["payload"].shape[1]
+    max_pages = block_tables.shape[1]
+    pages_per_split = -(-max_pages // splits)
+    out_shape = [
+        jax.ShapeDtypeStruct((sequences, kv_heads, splits, ROWS, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((sequences, kv_heads, splits, ROWS), jnp.float32),
+        jax.ShapeDtypeStruct((sequences, kv_heads, splits, ROWS), jnp.float32),
+    ]
+    return call.triton_call(
+        query, block_tables.astype(jnp.int32), bounds.astype(jnp.int32),
+        keys["payload"], keys["scale"], keys["minimum"],
+        values["payload"], values["scale"], values["minimum"],
+        kv_heads, pool, max_pages, pages_per_split, splits,
+        kernel=kernel, out_shape=out_shape, grid=(sequences, kv_heads, splits),
+        num_warps=num_warps, num_stages=num_stages, name=f"jflashloop_int4_pages_{splits=}",
+        D=head_dim, PAGE=page_size, GV=value_group, SINK=sink_tokens,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("loops", "page_size", "sink_tokens", "window_loop", "scale",
+                                             "splits", "pages_only", "kernel"))
+def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
+                           ring_values, *, loops, page_size: int, sink_tokens: int, window_loop: int,
+                           scale: float, splits: int | None = None, pages_only: bool = False, kernel=None):
+    """float32 ``[S, q_heads, D]``: decode attention (one dense INT4 loop).
+
+    ``splits``: split-KV programs per (sequence, KV head) (None: about 2048
+    programs in all). ``pages_only`` skips the windows (benchmarks of the page
+    kernel alone).
+    """
+    sequences, q_heads, head_dim = queries.shape
+    kv_heads = ring_keys.shape[2]
+    group = q_heads // kv_heads
+    reason = unsupported_reason(loops, head_dim, page_size, group)
+    if reason:
+        raise NotImplementedError(reason)
+    max_pages = block_tables.shape[1]
+    if splits is None:
+        splits = max(1, min(max_pages, -(-2048 // (sequences * kv_heads))))
+    query = queries.astype(jnp.float32) * (scale * LOG2_E)
+    query = query.reshape(sequences, kv_heads, group, head_dim)
+    query = jnp.pad(query, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
+    stream = streams[0]
+    output, total, running_max = page_partials(
+        query, block_tables, bounds, stream["keys"], stream["values"], page_size=page_size,
+        sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
+        **({} if kernel is None or kernel.is_gluon() else {"num_warps": 4, "num_stages": 2}))
+    if not pages_only:
+        order = pallas_decode.pair_order(head_dim)
+        w_out, w_sum, w_max = pallas_decode.window_partials(
+            query[..., jnp.asarray(order)], bounds, sink_keys, sink_values, ring_keys, ring_values,
+            sink_tokens=sink_tokens, window_loop=window_loop)
+        w_out = w_out[..., jnp.asarray(np.argsort(order))]
+        output = jnp.concatenate([output, w_out], axis=2)
+        total = jnp.concatenate([total, w_sum], axis=2)
+        running_max = jnp.concatenate([running_max, w_max], axis=2)
+    merged = pallas_decode.merge_splits(output, total, running_max)  # [S, H, 8, D]
+    return merged[:, :, :group, :].reshape(sequences, q_heads, head_dim)

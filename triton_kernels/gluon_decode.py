@@ -1,0 +1,326 @@
+"""Gluon decode attention over packed INT4 pages, with the matrix units' operand
+layouts chosen by hand so that no decoded tile goes through shared memory.
+
+One program (one warp) handles one (sequence, KV head, split) and walks its
+pages. Per page:
+
+* **Keys** (INT4, one (scale, min) per channel over the page): the words of
+  the ``[page, D/8]`` tile are loaded so that each thread receives exactly the
+  words its ``mma.sync`` B fragment needs (16 contiguous bytes per token and
+  thread); one ``lop3`` + ``sub.f16x2`` per two codes gives float16 codes in
+  place. The page's scales are folded into the query (KIVI algebra):
+  ``s = (q * scale) . codes + q . min``.
+* **Scores** ``S^T [16, page]`` come from ``mma.sync.m16n8k16`` with the query
+  as operand A (rows 8-15 zero); rows 0-7 are the GQA group.
+* **Probabilities** stay in registers: the accumulator layout of ``S^T`` is
+  the B-operand layout of the value product (the FlashAttention-2 register
+  reuse), so ``P^T`` feeds ``O^T [D, 8] += V^T [D, page] . P^T [page, 8]``
+  directly.
+* **Values** (INT4, one (scale, min) per token and ``group`` channels): a
+  thread loads 8 to 16 contiguous bytes of two tokens, ``prmt`` pairs the two
+  tokens' nibbles, and one ``fma.rn.f16x2`` dequantizes two values: the A
+  fragment of ``V^T`` is produced in registers.
+
+Channel orders: the kernel works in a *logical* channel order (a fixed
+permutation of the physical channels, :func:`key_channel_order` and
+:func:`value_channel_order`); the query is read and the output written through
+those permutations, so callers see natural order.
+
+Outputs are the split partials of an online softmax in base 2 (``out [rows,
+D]``, ``sum [rows]``, ``max [rows]``), the same contract as the Pallas page
+kernel, so the same window kernel and merge complete the call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+ROWS = 8  # query rows per (sequence, KV head): the GQA group padded to 8
+MASK_VALUE = gl.constexpr(-1e30)
+
+
+@gluon.constexpr_function
+def _log2(n: int) -> int:
+    assert n & (n - 1) == 0 and n > 0, n
+    return n.bit_length() - 1
+
+
+# --------------------------------------------------------------------------- channel orders
+
+
+def key_channel_order(head_dim: int) -> np.ndarray:
+    """int32 ``[D]``: the physical channel at logical key channel ``k``.
+
+    ``k = i2 + 2 wt0 + 4 wt1 + 8 i0 + 16 i1 + 32 wl``, where the physical
+    channel is ``8 w + i`` (nibble ``i = i0 + 2 i1 + 4 i2`` of word ``w``) and
+    ``w = wl + (W/4) (wt0 + 2 wt1)`` (``W = D/8`` words).
+    """
+    words = head_dim // 8
+    k = np.arange(head_dim)
+    i2, wt0, wt1, i0, i1, wl = k & 1, (k >> 1) & 1, (k >> 2) & 1, (k >> 3) & 1, (k >> 4) & 1, k >> 5
+    w = wl + (words // 4) * (wt0 + 2 * wt1)
+    return (8 * w + i0 + 2 * i1 + 4 * i2).astype(np.int32)
+
+
+def value_channel_order(head_dim: int) -> np.ndarray:
+    """int32 ``[D]``: the physical channel at logical value channel ``m``.
+
+    ``m = wt + 8 (wl + (W/8) i)`` with ``w = wt (W/8) + wl``.
+    """
+    words = head_dim // 8
+    m = np.arange(head_dim)
+    wt, wl, i = m & 7, (m >> 3) % (words // 8), m // words
+    return (8 * (wt * (words // 8) + wl) + i).astype(np.int32)
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@gluon.constexpr_function
+def _mma():
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def _key_words_layout(page: int, words: int):
+    """``[page, W]`` uint32: thread (g, t) holds words ``t W/4 ..`` of tokens ``g + 8 j``."""
+    low = _log2(words) - 2
+    regs = [[0, 1 << b] for b in range(low)] + [[1 << b, 0] for b in range(3, _log2(page))]
+    lanes = [[0, words // 4], [0, words // 2], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [page, words])
+
+
+@gluon.constexpr_function
+def _value_words_layout(half_page: int, words: int):
+    """``[page/2, W]`` uint32 (one token of each pair): thread (g, t) holds words
+    ``g W/8 ..`` of token pairs ``t + 4 j``."""
+    low = _log2(words) - 3
+    regs = [[0, 1 << b] for b in range(low)] + [[1 << b, 0] for b in range(2, _log2(half_page))]
+    lanes = [[1, 0], [2, 0], [0, words // 8], [0, words // 4], [0, words // 2]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [half_page, words])
+
+
+@gluon.constexpr_function
+def _query_layout(head_dim: int):
+    """``[8, D]`` in physical channel order: thread (g, t) holds row ``g`` and
+    channels ``t D/4 .. (t+1) D/4 - 1`` (the channels of its key words)."""
+    regs = [[0, 1 << b] for b in range(_log2(head_dim) - 2)]
+    lanes = [[0, head_dim // 4], [0, head_dim // 2], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [ROWS, head_dim])
+
+
+# --------------------------------------------------------------------------- unpacking
+
+_KEY_CODES_ASM = gl.constexpr("""{
+.reg .b32 a, b, c, d, t, k;
+mov.b32 k, 0x64006400;
+lop3.b32 a, $8, 0x000F000F, 0x64006400, 0xEA;
+shr.u32 t, $8, 4;
+lop3.b32 b, t, 0x000F000F, 0x64006400, 0xEA;
+shr.u32 t, $8, 8;
+lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
+shr.u32 t, $8, 12;
+lop3.b32 d, t, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 a, a, k;
+sub.f16x2 b, b, k;
+sub.f16x2 c, c, k;
+sub.f16x2 d, d, k;
+mov.b32 {$0, $4}, a;
+mov.b32 {$1, $5}, b;
+mov.b32 {$2, $6}, c;
+mov.b32 {$3, $7}, d;
+}""")
+
+
+def _value_pair_asm() -> str:
+    """Two tokens' words -> 8 dequantized float16 pairs (nibble i of each token)."""
+    lines = [
+        "{", ".reg .b32 x, y, t, a, s, m, k;", "mov.b32 k, 0x64006400;",
+        "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;",
+        "mov.b32 s, {$18, $19};", "mov.b32 m, {$20, $21};",
+    ]
+    for nibble in range(8):
+        source, shift = ("x", 4 * nibble) if nibble < 4 else ("y", 4 * (nibble - 4))
+        if shift:
+            lines.append(f"shr.u32 t, {source}, {shift};")
+            source = "t"
+        lines += [
+            f"lop3.b32 a, {source}, 0x000F000F, 0x64006400, 0xEA;",
+            "sub.f16x2 a, a, k;",
+            "fma.rn.f16x2 a, a, s, m;",
+            f"mov.b32 {{${2 * nibble}, ${2 * nibble + 1}}}, a;",
+        ]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_VALUE_PAIR_ASM = gl.constexpr(_value_pair_asm())
+
+
+@gluon.jit
+def _join8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """8 tensors ``[...]`` -> ``[..., 2, 2, 2]`` with ``x[..., a, b, c] = c_{a + 2b + 4c}``."""
+    return gl.join(gl.join(gl.join(c0, c1), gl.join(c2, c3)), gl.join(gl.join(c4, c5), gl.join(c6, c7)))
+
+
+@gluon.jit
+def _key_tile(words, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, B_LAYOUT: gl.constexpr):
+    """uint32 ``[PAGE, W]`` -> float16 codes ``[D, PAGE]`` (logical key channels) in ``B_LAYOUT``."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+        _KEY_CODES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    x = _join8(c0, c1, c2, c3, c4, c5, c6, c7)  # [PAGE, W, i0, i1, i2]
+    x = gl.reshape(x, [PAGE, 2, 2, W // 4, 2, 2, 2])  # (tau, wt1, wt0, wl, i0, i1, i2)
+    x = gl.permute(x, [3, 5, 4, 1, 2, 6, 0])  # (wl, i1, i0, wt1, wt0, i2, tau)
+    return gl.convert_layout(gl.reshape(x, [D, PAGE]), B_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _value_tile(even, odd, s_even, s_odd, m_even, m_odd, PAGE: gl.constexpr, W: gl.constexpr,
+                D: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """Two tokens' words ``[PAGE/2, W]`` and their float16 scale/min -> ``V^T [D, PAGE]`` in ``A_LAYOUT``."""
+    (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
+        _VALUE_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h,h,h",
+        [even, odd, s_even, s_odd, m_even, m_odd], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    x = _join8(gl.join(e0, o0), gl.join(e1, o1), gl.join(e2, o2), gl.join(e3, o3),
+               gl.join(e4, o4), gl.join(e5, o5), gl.join(e6, o6), gl.join(e7, o7))  # [P/2, W, e, i0, i1, i2]
+    x = gl.reshape(x, [PAGE // 2, 8, W // 8, 2, 2, 2, 2])  # (u, wt, wl, e, i0, i1, i2)
+    x = gl.permute(x, [6, 5, 4, 2, 1, 0, 3])  # (i2, i1, i0, wl, wt, u, e)
+    return gl.convert_layout(gl.reshape(x, [D, PAGE]), A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _to_key_order(x, D: gl.constexpr, W: gl.constexpr):
+    """``[8, D]`` in physical channel order -> logical key order."""
+    x = gl.reshape(x, [8, 2, 2, W // 4, 2, 2, 2])  # (r, wt1, wt0, wl, i2, i1, i0)
+    x = gl.permute(x, [0, 3, 5, 6, 1, 2, 4])  # (r, wl, i1, i0, wt1, wt0, i2)
+    return gl.reshape(x, [8, D])
+
+
+@gluon.jit
+def _pad_rows(x, D: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """``[8, D]`` -> ``[16, D]`` (rows 8-15 zero) in ``A_LAYOUT``."""
+    x = gl.permute(gl.join(x, gl.zeros_like(x)), [2, 0, 1])
+    return gl.convert_layout(gl.reshape(x, [16, D]), A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _top_rows(s, PAGE: gl.constexpr):
+    """``[16, PAGE]`` -> rows 0-7 ``[8, PAGE]`` (register-only split)."""
+    lo, _hi = gl.split(gl.permute(gl.reshape(s, [2, 8, PAGE]), [1, 2, 0]))
+    return lo
+
+
+@gluon.jit
+def int4_pages_kernel(
+    q_ptr,  # float32 [S, H, 8, D], pre-scaled by softmax scale * log2(e)
+    table_ptr,  # int32 [S, max_pages]
+    bounds_ptr,  # int32 [S, 2]: visible tokens, end of the packed region
+    kw_ptr,  # uint32 [H, pool, PAGE, D/8]
+    ks_ptr,  # float16 [H, pool, 1, D]
+    km_ptr,  # float16 [H, pool, 1, D]
+    vw_ptr,  # uint32 [H, pool, PAGE, D/8]
+    vs_ptr,  # float16 [H, pool, PAGE, D/GV]
+    vm_ptr,  # float16 [H, pool, PAGE, D/GV]
+    out_ptr,  # float32 [S, H, slots, 8, D]
+    sum_ptr,  # float32 [S, H, slots, 8]
+    max_ptr,  # float32 [S, H, slots, 8]
+    kv_heads, pool_pages, max_pages, pages_per_split, slots,
+    D: gl.constexpr, PAGE: gl.constexpr, GV: gl.constexpr, SINK: gl.constexpr,
+):
+    W: gl.constexpr = D // 8
+    NG: gl.constexpr = D // GV
+    MMA: gl.constexpr = _mma()
+    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    KW: gl.constexpr = _key_words_layout(PAGE, W)
+    VW: gl.constexpr = _value_words_layout(PAGE // 2, W)
+    QL: gl.constexpr = _query_layout(D)
+
+    seq = gl.program_id(0)
+    head = gl.program_id(1)
+    split = gl.program_id(2)
+    program = (seq * kv_heads + head).to(gl.int64)
+
+    # Query rows in physical channel order (read once).
+    q_rows = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
+    q_cols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+    q_offsets = gl.expand_dims(q_rows, 1) * D + gl.expand_dims(q_cols, 0)
+    query = gl.load(q_ptr + program * (8 * D) + q_offsets)  # [8, D] fp32
+    meta_offsets = gl.expand_dims(q_rows * 0, 1) + gl.expand_dims(q_cols, 0)  # the page's key metadata, per row
+
+    # Word offsets inside one page tile.
+    k_tok = gl.arange(0, PAGE, layout=gl.SliceLayout(1, KW))
+    k_word = gl.arange(0, W, layout=gl.SliceLayout(0, KW))
+    k_offsets = gl.expand_dims(k_tok, 1) * W + gl.expand_dims(k_word, 0)
+    v_pair = gl.arange(0, PAGE // 2, layout=gl.SliceLayout(1, VW))
+    v_word = gl.arange(0, W, layout=gl.SliceLayout(0, VW))
+    v_even = gl.expand_dims(2 * v_pair, 1) * W + gl.expand_dims(v_word, 0)
+    vs_even = gl.expand_dims(2 * v_pair, 1) * NG + gl.expand_dims((8 * v_word) // GV, 0)
+
+    packed_end = gl.load(bounds_ptr + seq * 2 + 1)
+    packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
+    first = split * pages_per_split
+    count = gl.minimum(gl.maximum(packed_pages - first, 0), pages_per_split)
+
+    acc = gl.zeros([D, 8], gl.float32, layout=MMA)
+    zero_scores = gl.zeros([16, PAGE], gl.float32, layout=MMA)
+    run_max = gl.max(_top_rows(zero_scores, PAGE), axis=1) + MASK_VALUE  # [8]
+    sums = _top_rows(zero_scores, PAGE)  # [8, PAGE], lazily reduced
+    tokens = gl.arange(0, PAGE, layout=gl.SliceLayout(0, sums.type.layout))
+
+    for step in range(count):
+        page_index = first + step
+        page = gl.maximum(gl.load(table_ptr + seq * max_pages + page_index), 0)
+        tile = head.to(gl.int64) * pool_pages + page
+        key_words = gl.load(kw_ptr + tile * (PAGE * W) + k_offsets)
+        even = gl.load(vw_ptr + tile * (PAGE * W) + v_even)
+        odd = gl.load(vw_ptr + tile * (PAGE * W) + v_even + W)
+        s_even = gl.load(vs_ptr + tile * (PAGE * NG) + vs_even)
+        s_odd = gl.load(vs_ptr + tile * (PAGE * NG) + vs_even + NG)
+        m_even = gl.load(vm_ptr + tile * (PAGE * NG) + vs_even)
+        m_odd = gl.load(vm_ptr + tile * (PAGE * NG) + vs_even + NG)
+        k_scale = gl.load(ks_ptr + tile * D + meta_offsets).to(gl.float32)
+        k_min = gl.load(km_ptr + tile * D + meta_offsets).to(gl.float32)
+
+        scaled = _pad_rows(_to_key_order((query * k_scale).to(gl.float16), D, W), D, A_OP)
+        offset = gl.sum(query * k_min, axis=1)  # [8]
+        codes = _key_tile(key_words, PAGE, W, D, B_OP)
+        scores = _top_rows(mma_v2(scaled, codes, zero_scores), PAGE)  # [8, PAGE]
+        scores = scores + gl.expand_dims(gl.convert_layout(offset, gl.SliceLayout(1, scores.type.layout)), 1)
+        token = page_index * PAGE + tokens
+        valid = gl.expand_dims((token >= SINK) & (token < packed_end), 0)
+        scores = gl.where(valid, scores, MASK_VALUE)
+        new_max = gl.maximum(run_max, gl.max(scores, axis=1))
+        correction = gl.exp2(run_max - new_max)
+        weights = gl.where(valid, gl.exp2(scores - gl.expand_dims(new_max, 1)), 0.0)
+        sums = sums * gl.expand_dims(correction, 1) + weights
+        run_max = new_max
+        p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+        values = _value_tile(even, odd, s_even, s_odd, m_even, m_odd, PAGE, W, D, A_OP)
+        acc_correction = gl.convert_layout(correction, gl.SliceLayout(0, MMA))
+        acc = mma_v2(values, p_t, acc * gl.expand_dims(acc_correction, 0))
+
+    # Partials: out [8, D] (physical order), sum [8], max [8].
+    slot = program * slots + split
+    o_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    o_chan = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    o_chan = _value_physical(o_chan, W)
+    o_offsets = gl.expand_dims(o_rows, 0) * D + gl.expand_dims(o_chan, 1)
+    gl.store(out_ptr + slot * (8 * D) + o_offsets, acc)
+    total = gl.sum(sums, axis=1)
+    r = gl.arange(0, 8, layout=total.type.layout)
+    gl.store(sum_ptr + slot * 8 + r, total)
+    gl.store(max_ptr + slot * 8 + gl.arange(0, 8, layout=run_max.type.layout), run_max)
+
+
+@gluon.jit
+def _value_physical(m, W: gl.constexpr):
+    """Logical value channel -> physical channel (see :func:`value_channel_order`)."""
+    WL: gl.constexpr = W // 8
+    wt = m & 7
+    wl = (m >> 3) % WL
+    i = m // W
+    return 8 * (wt * WL + wl) + i
