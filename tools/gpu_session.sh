@@ -46,9 +46,9 @@ for stage in "$@"; do
     sweep) run_stage sweep 140 python3 bench/decode.py --sweep ;;
     chainsweep) run_stage chainsweep 200 python3 bench/decode.py --sweep --sweep-loops 2,4 ;;
     probe) run_stage probe 120 python3 bench/prototypes/append_probe.py; cp /tmp/pack_hlo.txt "$OUT/" 2>/dev/null ;;
-    gluontests) run_stage gluontests 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_gluon_decode.py ;;
-    formulations) run_stage formulations 300 python3 bench/kernel_formulations.py ;;
-    ncugluon) run_stage ncugluon 200 ncu --clock-control none -k regex:int4_pages --launch-count 1 \
+    gluontests) run_stage gluontests 170 python3 -m pytest -q -n 4 --maxfail=5 -p no:cacheprovider tests/test_gluon_decode.py ;;
+    formulations) run_stage formulations 230 python3 bench/kernel_formulations.py ;;
+    ncugluon) run_stage ncugluon 150 ncu --clock-control none -k regex:int4_pages --launch-count 1 \
              --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
              --section ComputeWorkloadAnalysis --section WarpStateStats \
              python3 bench/kernel_formulations.py --profile gluon --shape 0 ;;
