@@ -13,7 +13,10 @@ Importing this module needs a CUDA build of jaxlib, ``triton`` and
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import tempfile
 import types
 
 
@@ -25,6 +28,26 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def _triton_cache_dir():
+    """jax_triton clears ``TRITON_CACHE_DIR`` (it keeps its own cache); ``triton.compile`` needs one."""
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    if not saved:
+        os.environ["TRITON_CACHE_DIR"] = _cache_dir()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = saved
+
+
+@functools.cache
+def _cache_dir() -> str:
+    return tempfile.mkdtemp(prefix="jflashloop-triton-")
 
 
 def _compile_gluon(fn, arg_dtypes, scalar_args, *, num_warps, num_ctas, compute_capability, metaparams, lib):
@@ -50,8 +73,9 @@ def _compile_gluon(fn, arg_dtypes, scalar_args, *, num_warps, num_ctas, compute_
     for name in constants:
         signature[name] = "constexpr"
     source = GluonASTSource(fn, signature, constants, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
-                              options={"num_warps": num_warps, "num_ctas": num_ctas})
+    with _triton_cache_dir():
+        compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
+                                  options={"num_warps": num_warps, "num_ctas": num_ctas})
     kernel = lib.triton_kernel_call_lib.TritonKernel(
         compiled.metadata.name, num_warps, num_ctas, compiled.metadata.shared, compiled.asm["ptx"],
         "", compute_capability)

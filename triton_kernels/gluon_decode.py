@@ -224,10 +224,10 @@ def int4_pages_kernel(
     vw_ptr,  # uint32 [H, pool, PAGE, D/8]
     vs_ptr,  # float16 [H, pool, PAGE, D/GV]
     vm_ptr,  # float16 [H, pool, PAGE, D/GV]
-    out_ptr,  # float32 [S, H, slots, 8, D]
+    kv_heads, pool_pages, max_pages, pages_per_split, slots,  # int32 scalars
+    out_ptr,  # float32 [S, H, slots, 8, D] (outputs follow the inputs, as jax_triton passes them)
     sum_ptr,  # float32 [S, H, slots, 8]
     max_ptr,  # float32 [S, H, slots, 8]
-    kv_heads, pool_pages, max_pages, pages_per_split, slots,
     D: gl.constexpr, PAGE: gl.constexpr, GV: gl.constexpr, SINK: gl.constexpr,
 ):
     W: gl.constexpr = D // 8

@@ -26,8 +26,8 @@ def _join8(c0, c1, c2, c3, c4, c5, c6, c7):
 
 @triton.jit
 def int4_pages_kernel(
-    q_ptr, table_ptr, bounds_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr, out_ptr, sum_ptr, max_ptr,
-    kv_heads, pool_pages, max_pages, pages_per_split, slots,
+    q_ptr, table_ptr, bounds_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr,
+    kv_heads, pool_pages, max_pages, pages_per_split, slots, out_ptr, sum_ptr, max_ptr,
     D: tl.constexpr, PAGE: tl.constexpr, GV: tl.constexpr, SINK: tl.constexpr,
 ):
     W: tl.constexpr = D // 8
