@@ -44,7 +44,13 @@ def formulation(name, loop=0, pages_only=False):
     from jflashloop_triton_kernels import decode_attention as gluon
     from jflashloop_triton_kernels import gluon_decode, triton_decode
 
-    kernel = gluon_decode.int4_pages_kernel if name == "gluon" else triton_decode.int4_pages_kernel
+    stages = None
+    if name.startswith("gluon2-s"):
+        kernel, stages = gluon_decode.int4_pages_kernel_v2, int(name.removeprefix("gluon2-s"))
+    elif name == "gluon":
+        kernel = gluon_decode.int4_pages_kernel
+    else:
+        kernel = triton_decode.int4_pages_kernel
 
     @jax.jit
     def run(queries, cache):
@@ -54,7 +60,8 @@ def formulation(name, loop=0, pages_only=False):
             queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
             inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
             page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=loop,
-            scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel)
+            scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
+            stages=stages)
 
     return run
 
@@ -66,10 +73,10 @@ def relative_error(actual, expected):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profile", default=None, help="run one formulation a few times (for ncu) and exit")
+    parser.add_argument("--profile", default=None, help="run these formulations once each, page kernel only (for ncu), and exit")
     parser.add_argument("--shape", type=int, default=0)
     parser.add_argument("--shapes", default="0,1")
-    parser.add_argument("--names", default="pallas,triton,gluon")
+    parser.add_argument("--names", default="pallas,triton,gluon,gluon2-s2,gluon2-s4")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print("needs a CUDA GPU", file=sys.stderr)
@@ -79,9 +86,8 @@ def main() -> int:
         config = bench.make_config(sequences, kv_heads, tokens, 1)
         cache = bench.random_cache(config, tokens, 0)
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, bench.HEAD_DIM), jnp.bfloat16)
-        run = formulation(args.profile)
-        for _ in range(3):
-            jax.block_until_ready(run(queries, cache))
+        for profiled in args.profile.split(","):  # one launch each: ncu --launch-count <number of names>
+            jax.block_until_ready(formulation(profiled, pages_only=True)(queries, cache))
         return 0
     bandwidth = bench.copy_bandwidth()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; plain copy {bandwidth:.2f} TB/s", flush=True)

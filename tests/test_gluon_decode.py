@@ -38,8 +38,9 @@ def one_loop_config(head_dim, page_size, value_group=64, **overrides):
     return dataclasses.replace(base, loops=(loop,))
 
 
-def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None):
+def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None, version=1):
     from jflashloop_triton_kernels import decode_attention as gluon
+    from jflashloop_triton_kernels import gluon_decode
 
     c = cache.config
     inputs = kernel_inputs(cache, layer, 0, include_pending)
@@ -47,7 +48,8 @@ def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None
         queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
         inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
         page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=0, scale=1 / math.sqrt(c.head_dim),
-        splits=splits)
+        splits=splits, kernel=gluon_decode.int4_pages_kernel_v2 if version == 2 else None,
+        stages=2 if version == 2 else None)
 
 
 def relative_errors(actual, expected):
@@ -59,29 +61,32 @@ def relative_errors(actual, expected):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
-def test_gluon_kernel_matches_reference(rng, head_dim, page_size, group):
+@pytest.mark.parametrize("version", [1, 2])
+def test_gluon_kernel_matches_reference(rng, head_dim, page_size, group, version):
     config = one_loop_config(head_dim, page_size, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
     cache, _ = build(rng, config, prompt_lengths=[37, 5, 8 * page_size + 3], steps=2)
     queries = jnp.asarray(rng.standard_normal((3, 2 * group, head_dim)) * 2, jnp.float32)
     expected = jflashloop.decode_attention_reference(queries, cache, 1, 0, include_pending=False)
     for splits in (1, 3, None):
-        actual = gluon_attention(queries, cache, 1, splits=splits)
+        actual = gluon_attention(queries, cache, 1, splits=splits, version=version)
         errors = relative_errors(actual, expected)
         assert (errors < TOLERANCE).all(), (splits, errors)
 
 
 @requires_gluon
 @pytest.mark.parametrize("value_group", [16, 32, 128])
-def test_gluon_kernel_value_groups(rng, value_group):
+@pytest.mark.parametrize("version", [1, 2])
+def test_gluon_kernel_value_groups(rng, value_group, version):
     config = one_loop_config(128, 64, value_group=value_group)
     cache, _ = build(rng, config, prompt_lengths=[300, 64, 129], steps=1)
     queries = jnp.asarray(rng.standard_normal((3, 8, 128)), jnp.float32)
     expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=False)
-    assert (relative_errors(gluon_attention(queries, cache, 0), expected) < TOLERANCE).all()
+    assert (relative_errors(gluon_attention(queries, cache, 0, version=version), expected) < TOLERANCE).all()
 
 
 @requires_gluon
-def test_gluon_kernel_outlier_channels_and_pending_token(rng):
+@pytest.mark.parametrize("version", [1, 2])
+def test_gluon_kernel_outlier_channels_and_pending_token(rng, version):
     """Keys with a few channels 10x the rest and large per-channel offsets (real-model K)."""
     config = one_loop_config(128, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
     cache = jflashloop.paged_cache.create(config)
@@ -94,5 +99,5 @@ def test_gluon_kernel_outlier_channels_and_pending_token(rng):
                                                jnp.asarray(values, jnp.float32), length)
     queries = jnp.asarray(rng.standard_normal((3, 8, 128)), jnp.float32)
     expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=True)
-    actual = gluon_attention(queries, cache, 0, include_pending=True)
+    actual = gluon_attention(queries, cache, 0, include_pending=True, version=version)
     assert (relative_errors(actual, expected) < TOLERANCE).all()

@@ -46,12 +46,15 @@ for stage in "$@"; do
     sweep) run_stage sweep 140 python3 bench/decode.py --sweep ;;
     chainsweep) run_stage chainsweep 200 python3 bench/decode.py --sweep --sweep-loops 2,4 ;;
     probe) run_stage probe 120 python3 bench/prototypes/append_probe.py; cp /tmp/pack_hlo.txt "$OUT/" 2>/dev/null ;;
-    gluontests) run_stage gluontests 170 python3 -m pytest -q -n 4 --maxfail=5 -p no:cacheprovider tests/test_gluon_decode.py ;;
-    formulations) run_stage formulations 230 python3 bench/kernel_formulations.py ;;
-    ncugluon) run_stage ncugluon 150 ncu --clock-control none -k regex:int4_pages --launch-count 1 \
+    gluontests) run_stage gluontests 200 python3 -m pytest -q -n 4 --maxfail=5 -p no:cacheprovider tests/test_gluon_decode.py ;;
+    formulations) run_stage formulations 200 python3 bench/kernel_formulations.py ;;
+    ncugluon) profiled=${NCU_FORMULATIONS:-gluon2-s2,gluon2-s4}
+             run_stage ncugluon 150 ncu --clock-control none -k regex:int4_pages \
+             --launch-count "$(echo "$profiled" | tr ',' '\n' | wc -l)" \
              --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
-             --section ComputeWorkloadAnalysis --section WarpStateStats \
-             python3 bench/kernel_formulations.py --profile gluon --shape 0 ;;
+             --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+             --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed.sum \
+             python3 bench/kernel_formulations.py --profile "$profiled" --shape 0 ;;
     quick) run_stage quick 150 python3 bench/decode.py --quick --check ;;
     bench) run_stage bench 250 python3 bench/decode.py --json "$OUT/decode.json" --trace "$OUT/trace" ;;
     codecs) run_stage codecs 60 python3 bench/codec_speed.py ;;

@@ -45,7 +45,7 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int) -> str 
 
 def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dict[str, Any], *,
                   page_size: int, sink_tokens: int, value_group: int, splits: int, kernel=None,
-                  num_warps: int = 1, num_stages: int = 1):
+                  num_warps: int = 1, num_stages: int = 1, stages: int | None = None):
     """Run the Gluon page kernel.
 
     Args:
@@ -79,14 +79,16 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         kernel=kernel, out_shape=out_shape, grid=(sequences, kv_heads, splits),
         num_warps=num_warps, num_stages=num_stages, name=f"jflashloop_int4_pages_{splits=}",
         D=head_dim, PAGE=page_size, GV=value_group, SINK=sink_tokens,
+        **({} if stages is None else {"STAGES": stages}),
     )
 
 
 @functools.partial(jax.jit, static_argnames=("loops", "page_size", "sink_tokens", "window_loop", "scale",
-                                             "splits", "pages_only", "kernel"))
+                                             "splits", "pages_only", "kernel", "stages"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, loops, page_size: int, sink_tokens: int, window_loop: int,
-                           scale: float, splits: int | None = None, pages_only: bool = False, kernel=None):
+                           scale: float, splits: int | None = None, pages_only: bool = False, kernel=None,
+                           stages: int | None = None):
     """float32 ``[S, q_heads, D]``: decode attention (one dense INT4 loop).
 
     ``splits``: split-KV programs per (sequence, KV head) (None: about 2048
@@ -108,7 +110,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     stream = streams[0]
     output, total, running_max = page_partials(
         query, block_tables, bounds, stream["keys"], stream["values"], page_size=page_size,
-        sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
+        sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel, stages=stages,
         **({} if kernel is None or kernel.is_gluon() else {"num_warps": 4, "num_stages": 2}))
     if not pages_only:
         order = pallas_decode.pair_order(head_dim)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 ROWS = 8  # query rows per (sequence, KV head): the GQA group padded to 8
 MASK_VALUE = gl.constexpr(-1e30)
@@ -324,3 +324,285 @@ def _value_physical(m, W: gl.constexpr):
     wl = (m >> 3) % WL
     i = m // W
     return 8 * (wt * WL + wl) + i
+
+
+# =========================================================================== v2: pipelined
+#
+# Same algorithm, restructured for memory-level parallelism and fewer
+# instructions (bench/KERNEL_NOTES.md):
+# * every array of a page (key and value words, key scale/min, value
+#   scale/min) is copied to shared memory with cp.async, STAGES - 1 pages
+#   ahead of the page being computed (no registers held by loads in flight);
+#   value rows are padded by 16 bytes so that the fragment reads from shared
+#   memory are free of bank conflicts;
+# * nibbles 1 and 5 (and 3 and 7) are taken in place (x16) and rescaled by the
+#   same instruction that removes the magic offset: 9 instructions per key word;
+# * the query stays float16 in its operand layout; the page's key scales are
+#   applied by a float16 multiply and the key minimums by a matrix product
+#   (`q . min` on the tensor cores), which starts the score accumulator.
+
+_KEY_CODES_ASM_V2 = gl.constexpr("""{
+.reg .b32 a, b, c, d, t, k, s, o;
+mov.b32 k, 0x64006400;
+mov.b32 s, 0x2C002C00;
+mov.b32 o, 0xD400D400;
+lop3.b32 a, $8, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 b, $8, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 t, $8, 8;
+lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 a, a, k;
+fma.rn.f16x2 b, b, s, o;
+sub.f16x2 c, c, k;
+fma.rn.f16x2 d, d, s, o;
+mov.b32 {$0, $4}, a;
+mov.b32 {$1, $5}, b;
+mov.b32 {$2, $6}, c;
+mov.b32 {$3, $7}, d;
+}""")
+
+
+def _value_pair_asm_v2() -> str:
+    lines = [
+        "{", ".reg .b32 x, y, t, a, s, m, k, e, o;", "mov.b32 k, 0x64006400;", "mov.b32 e, 0x2C002C00;",
+        "mov.b32 o, 0xD400D400;", "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;",
+        "mov.b32 s, {$18, $19};", "mov.b32 m, {$20, $21};",
+    ]
+    for nibble in range(8):
+        source = "x" if nibble < 4 else "y"
+        local = nibble % 4
+        if local == 2:
+            lines.append(f"shr.u32 t, {source}, 8;")
+        if local >= 2:
+            source = "t"
+        if local % 2 == 0:
+            lines += [f"lop3.b32 a, {source}, 0x000F000F, 0x64006400, 0xEA;", "sub.f16x2 a, a, k;"]
+        else:
+            lines += [f"lop3.b32 a, {source}, 0x00F000F0, 0x64006400, 0xEA;", "fma.rn.f16x2 a, a, e, o;"]
+        lines += ["fma.rn.f16x2 a, a, s, m;", f"mov.b32 {{${2 * nibble}, ${2 * nibble + 1}}}, a;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_VALUE_PAIR_ASM_V2 = gl.constexpr(_value_pair_asm_v2())
+
+
+@gluon.constexpr_function
+def _copy_layout(rows: int, cols: int, itemsize: int):
+    """Blocked ``[rows, cols]``: 16-byte pieces per thread, one warp."""
+    vector = max(1, min(16 // itemsize, cols))
+    across = min(32, cols // vector)
+    return gl.BlockedLayout([1, vector], [32 // across, across], [1, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _value_tile_layout(page: int, words: int):
+    """``[page, W]``: thread (g, t) holds words ``g W/8 ..`` of tokens ``{0,1} + 2 t + 8 j``."""
+    low = _log2(words) - 3
+    regs = [[0, 1 << b] for b in range(low)] + [[1, 0]] + [[1 << b, 0] for b in range(3, _log2(page))]
+    lanes = [[2, 0], [4, 0], [0, words // 8], [0, words // 4], [0, words // 2]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [page, words])
+
+
+@gluon.constexpr_function
+def _value_meta_layout(page: int, groups: int, head_dim: int, value_group: int):
+    """``[page, NG]`` float16 value scales: thread (g, t) holds its words' group for its tokens."""
+    regs = [[1, 0]] + [[1 << b, 0] for b in range(3, _log2(page))]
+    # Lane bits 2-4 hold word bits log2(W)-3 ..; the group of word w is 8 w // GV.
+    lanes = [[2, 0], [4, 0]]
+    words = head_dim // 8
+    for bit in range(3):
+        word_bit = _log2(words) - 3 + bit
+        group_bit = word_bit + 3 - _log2(value_group)  # 8 w // GV = w >> (log2 GV - 3)
+        lanes.append([0, 1 << group_bit] if 0 <= group_bit < _log2(groups) else [0, 0])
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [page, groups])
+
+
+@gluon.constexpr_function
+def _key_meta_layout(head_dim: int):
+    """``[D]`` float16 key scales, physical order: thread t holds channels ``t D/4 ..``, all g alike."""
+    regs = [[1 << b] for b in range(_log2(head_dim) - 2)]
+    lanes = [[head_dim // 4], [head_dim // 2], [0], [0], [0]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [head_dim])
+
+
+@gluon.constexpr_function
+def _padded_rows(page: int, words: int):
+    """One stage ``[page, W]`` of words, each token row followed by 4 words of padding."""
+    shape = [page, words]
+    bases = [[1 << b if d == dim else 0 for d in range(2)] for dim in (1, 0) for b in range(_log2(shape[dim]))]
+    return gl.PaddedSharedLayout([[words, 4]], bases, [], shape)
+
+
+@gluon.constexpr_function
+def _plain_shared(rank: int):
+    return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
+
+
+@gluon.jit
+def _key_order_1d(x, D: gl.constexpr, W: gl.constexpr):
+    """``[D]`` physical -> logical key order."""
+    x = gl.reshape(x, [2, 2, W // 4, 2, 2, 2])  # (wt1, wt0, wl, i2, i1, i0)
+    return gl.reshape(gl.permute(x, [2, 4, 5, 0, 1, 3]), [D])  # (wl, i1, i0, wt1, wt0, i2)
+
+
+@gluon.jit
+def _tile_columns(x, PAGE: gl.constexpr):
+    """``[16, 8]`` -> ``[16, PAGE]`` repeating the 8 columns (register-only)."""
+    for _ in gl.static_range(_log2(PAGE // 8)):
+        x = gl.reshape(gl.permute(gl.join(x, x), [0, 2, 1]), [16, 2 * x.shape[1]])
+    return x
+
+
+@gluon.jit
+def _issue_page(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, stage, step, count, first, seq, head,
+                table_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr, pool_pages, max_pages,
+                PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr):
+    """cp.async every array of page ``first + step`` into stage ``stage`` (nothing past ``count``)."""
+    WORDS: gl.constexpr = _copy_layout(PAGE, W, 4)
+    KMETA: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
+    live = step < count
+    page = gl.maximum(gl.load(table_ptr + seq * max_pages + first + step, mask=live, other=0), 0)
+    tile = head.to(gl.int64) * pool_pages + page
+    w_rows = gl.arange(0, PAGE, layout=gl.SliceLayout(1, WORDS))
+    w_cols = gl.arange(0, W, layout=gl.SliceLayout(0, WORDS))
+    w_offsets = gl.expand_dims(w_rows, 1) * W + gl.expand_dims(w_cols, 0)
+    k_offsets = gl.arange(0, D, layout=KMETA)
+    v_offsets = gl.arange(0, PAGE * NG, layout=KMETA)
+    async_copy.async_copy_global_to_shared(kw_s.index(stage), kw_ptr + tile * (PAGE * W) + w_offsets, mask=live)
+    async_copy.async_copy_global_to_shared(vw_s.index(stage), vw_ptr + tile * (PAGE * W) + w_offsets, mask=live)
+    async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * D + k_offsets, mask=live)
+    async_copy.async_copy_global_to_shared(km_s.index(stage), km_ptr + tile * D + k_offsets, mask=live)
+    async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * (PAGE * NG) + v_offsets, mask=live)
+    async_copy.async_copy_global_to_shared(vm_s.index(stage), vm_ptr + tile * (PAGE * NG) + v_offsets, mask=live)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _key_tile_v2(words, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, B_LAYOUT: gl.constexpr):
+    c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+        _KEY_CODES_ASM_V2, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    x = _join8(c0, c1, c2, c3, c4, c5, c6, c7)
+    x = gl.reshape(x, [PAGE, 2, 2, W // 4, 2, 2, 2])
+    x = gl.permute(x, [3, 5, 4, 1, 2, 6, 0])
+    return gl.convert_layout(gl.reshape(x, [D, PAGE]), B_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _value_tile_v2(tile, scale, minimum, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
+                   NG: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """Value words ``[PAGE, W]`` and their scale/min ``[PAGE, NG]`` -> ``V^T [D, PAGE]`` in ``A_LAYOUT``."""
+    even, odd = gl.split(gl.permute(gl.reshape(tile, [PAGE // 2, 2, W]), [0, 2, 1]))
+    s_even, s_odd = gl.split(gl.permute(gl.reshape(scale, [PAGE // 2, 2, NG]), [0, 2, 1]))
+    m_even, m_odd = gl.split(gl.permute(gl.reshape(minimum, [PAGE // 2, 2, NG]), [0, 2, 1]))
+    even = gl.reshape(even, [PAGE // 2, NG, W // NG])
+    odd = gl.reshape(odd, [PAGE // 2, NG, W // NG])
+    L3: gl.constexpr = even.type.layout
+    S2: gl.constexpr = gl.SliceLayout(2, L3)
+    s_even = gl.expand_dims(gl.convert_layout(s_even, S2, assert_trivial=True), 2)
+    s_odd = gl.expand_dims(gl.convert_layout(s_odd, S2, assert_trivial=True), 2)
+    m_even = gl.expand_dims(gl.convert_layout(m_even, S2, assert_trivial=True), 2)
+    m_odd = gl.expand_dims(gl.convert_layout(m_odd, S2, assert_trivial=True), 2)
+    (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
+        _VALUE_PAIR_ASM_V2, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h,h,h",
+        [even, odd, s_even, s_odd, m_even, m_odd], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    x = _join8(gl.join(e0, o0), gl.join(e1, o1), gl.join(e2, o2), gl.join(e3, o3),
+               gl.join(e4, o4), gl.join(e5, o5), gl.join(e6, o6), gl.join(e7, o7))  # [P/2, NG, W/NG, e, i0, i1, i2]
+    x = gl.reshape(x, [PAGE // 2, 8, W // 8, 2, 2, 2, 2])  # (u, wt, wl, e, i0, i1, i2)
+    x = gl.permute(x, [6, 5, 4, 2, 1, 0, 3])  # (i2, i1, i0, wl, wt, u, e)
+    return gl.convert_layout(gl.reshape(x, [D, PAGE]), A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def int4_pages_kernel_v2(
+    q_ptr, table_ptr, bounds_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr,
+    kv_heads, pool_pages, max_pages, pages_per_split, slots,
+    out_ptr, sum_ptr, max_ptr,
+    D: gl.constexpr, PAGE: gl.constexpr, GV: gl.constexpr, SINK: gl.constexpr, STAGES: gl.constexpr,
+):
+    """Same contract as :func:`int4_pages_kernel`."""
+    W: gl.constexpr = D // 8
+    NG: gl.constexpr = D // GV
+    MMA: gl.constexpr = _mma()
+    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    KW: gl.constexpr = _key_words_layout(PAGE, W)
+    VT: gl.constexpr = _value_tile_layout(PAGE, W)
+    VS: gl.constexpr = _value_meta_layout(PAGE, NG, D, GV)
+    KM: gl.constexpr = _key_meta_layout(D)
+    QL: gl.constexpr = _query_layout(D)
+
+    seq = gl.program_id(0)
+    head = gl.program_id(1)
+    split = gl.program_id(2)
+    program = (seq * kv_heads + head).to(gl.int64)
+
+    kw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _plain_shared(2))
+    vw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _plain_shared(2))
+    ks_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
+    km_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
+    vs_s = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE * NG], _plain_shared(1))
+    vm_s = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE * NG], _plain_shared(1))
+
+    packed_end = gl.load(bounds_ptr + seq * 2 + 1)
+    packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
+    first = split * pages_per_split
+    count = gl.minimum(gl.maximum(packed_pages - first, 0), pages_per_split)
+    for s in gl.static_range(STAGES - 1):
+        _issue_page(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, s, s, count, first, seq, head, table_ptr, kw_ptr,
+                    ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr, pool_pages, max_pages, PAGE, W, D, NG)
+
+    # The query, float16, logical key order, rows 8-15 zero: the A operand.
+    q_rows = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
+    q_cols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+    query = gl.load(q_ptr + program * (8 * D) + gl.expand_dims(q_rows, 1) * D + gl.expand_dims(q_cols, 0))
+    query = _pad_rows(_to_key_order(query.to(gl.float16), D, W), D, A_OP)  # [16, D]
+    B8: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    zeros_b8 = gl.zeros([D, 8], gl.float16, layout=B8)
+    zeros_c8 = gl.zeros([16, 8], gl.float32, layout=MMA)
+
+    acc = gl.zeros([D, 8], gl.float32, layout=MMA)
+    zero_scores = gl.zeros([16, PAGE], gl.float32, layout=MMA)
+    run_max = gl.max(_top_rows(zero_scores, PAGE), axis=1) + MASK_VALUE
+    sums = _top_rows(zero_scores, PAGE)
+    tokens = gl.arange(0, PAGE, layout=gl.SliceLayout(0, sums.type.layout))
+
+    for step in range(count):
+        _issue_page(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, (step + STAGES - 1) % STAGES, step + STAGES - 1, count,
+                    first, seq, head, table_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr, pool_pages,
+                    max_pages, PAGE, W, D, NG)
+        async_copy.wait_group(STAGES - 1)
+        stage = step % STAGES
+        key_words = kw_s.index(stage).load(KW)
+        k_scale = _key_order_1d(ks_s.index(stage).load(KM), D, W)
+        k_min = _key_order_1d(km_s.index(stage).load(KM), D, W)
+        k_scale = gl.convert_layout(k_scale, gl.SliceLayout(0, A_OP), assert_trivial=True)
+        k_min = gl.convert_layout(k_min, gl.SliceLayout(1, B8), assert_trivial=True)
+        scaled = query * gl.expand_dims(k_scale, 0)
+        minimum = gl.broadcast(gl.expand_dims(k_min, 1), zeros_b8)[0]
+        offset = mma_v2(query, minimum, zeros_c8)  # [16, 8]: q . min in every column
+        codes = _key_tile_v2(key_words, PAGE, W, D, B_OP)
+        start = gl.convert_layout(_tile_columns(offset, PAGE), MMA, assert_trivial=True)
+        scores = _top_rows(mma_v2(scaled, codes, start), PAGE)  # [8, PAGE]
+        token = (first + step) * PAGE + tokens
+        valid = gl.expand_dims((token >= SINK) & (token < packed_end), 0)
+        scores = gl.where(valid, scores, MASK_VALUE)
+        new_max = gl.maximum(run_max, gl.max(scores, axis=1))
+        correction = gl.exp2(run_max - new_max)
+        weights = gl.where(valid, gl.exp2(scores - gl.expand_dims(new_max, 1)), 0.0)
+        sums = sums * gl.expand_dims(correction, 1) + weights
+        run_max = new_max
+        p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+        values = _value_tile_v2(vw_s.index(stage).load(VT), vs_s.index(stage).reshape([PAGE, NG]).load(VS),
+                                vm_s.index(stage).reshape([PAGE, NG]).load(VS), PAGE, W, D, NG, A_OP)
+        acc_correction = gl.convert_layout(correction, gl.SliceLayout(0, MMA))
+        acc = mma_v2(values, p_t, acc * gl.expand_dims(acc_correction, 0))
+    async_copy.wait_group(0)
+
+    slot = program * slots + split
+    o_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    o_chan = _value_physical(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), W)
+    gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows, 0) * D + gl.expand_dims(o_chan, 1), acc)
+    total = gl.sum(sums, axis=1)
+    gl.store(sum_ptr + slot * 8 + gl.arange(0, 8, layout=total.type.layout), total)
+    gl.store(max_ptr + slot * 8 + gl.arange(0, 8, layout=run_max.type.layout), run_max)
