@@ -44,9 +44,9 @@ def formulation(name, loop=0, pages_only=False):
     from jflashloop_triton_kernels import decode_attention as gluon
     from jflashloop_triton_kernels import gluon_decode, triton_decode
 
-    stages = None
+    stages, fused = None, name.endswith("w")
     if name.startswith("gluon2-s"):
-        kernel, stages = gluon_decode.int4_pages_kernel_v2, int(name.removeprefix("gluon2-s"))
+        kernel, stages = gluon_decode.int4_pages_kernel_v2, int(name.removeprefix("gluon2-s").removesuffix("w"))
     elif name == "gluon":
         kernel = gluon_decode.int4_pages_kernel
     else:
@@ -61,7 +61,7 @@ def formulation(name, loop=0, pages_only=False):
             inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
             page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=loop,
             scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
-            stages=stages)
+            stages=stages, fused_windows=fused and not pages_only)
 
     return run
 
@@ -76,7 +76,7 @@ def main() -> int:
     parser.add_argument("--profile", default=None, help="run these formulations once each, page kernel only (for ncu), and exit")
     parser.add_argument("--shape", type=int, default=0)
     parser.add_argument("--shapes", default="0,1")
-    parser.add_argument("--names", default="pallas,triton,gluon,gluon2-s2,gluon2-s4")
+    parser.add_argument("--names", default="pallas,triton,gluon,gluon2-s2,gluon2-s2w,gluon2-s4w")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print("needs a CUDA GPU", file=sys.stderr)
@@ -107,7 +107,7 @@ def main() -> int:
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, bench.HEAD_DIM), jnp.bfloat16)
         expected = jflashloop.decode_attention_reference(queries, caches[0], 0, 0)
         for fname in args.names.split(","):
-            variants = [(fname, False)] + ([(fname + " (pages only)", True)] if fname != "pallas" else [])
+            variants = [(fname, False)] + ([(fname + " (pages only)", True)] if fname not in ("pallas",) and not fname.endswith("w") else [])
             for label, pages_only in variants:
                 try:
                     run = formulation(fname, pages_only=pages_only)

@@ -31,6 +31,19 @@ requires_gluon = pytest.mark.skipif(not _available(), reason="needs a CUDA GPU w
 TOLERANCE = 2e-3
 
 
+@requires_gluon
+@pytest.mark.parametrize("sink, recent", [(0, 16), (4, 100), (20, 16)])
+def test_gluon_kernel_window_policies(rng, sink, recent):
+    config = one_loop_config(128, 32, sink_tokens=sink, recent_tokens=recent, max_pages_per_sequence=40,
+                             num_pages=128)
+    cache, _ = build(rng, config, prompt_lengths=[300, 7, 33], steps=3)
+    queries = jnp.asarray(rng.standard_normal((3, 8, 128)), jnp.float32)
+    for pending in (False, True):
+        expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=pending)
+        actual = gluon_attention(queries, cache, 0, include_pending=pending, version=3)
+        assert (relative_errors(actual, expected) < TOLERANCE).all(), (pending, relative_errors(actual, expected))
+
+
 def one_loop_config(head_dim, page_size, value_group=64, **overrides):
     base = small_config(num_loops=1, head_dim=head_dim, page_size=page_size, **overrides)
     loop = LoopStorage(jflashloop.CodecSpec("int4", "channel", page_size),
@@ -48,8 +61,8 @@ def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None
         queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
         inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
         page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=0, scale=1 / math.sqrt(c.head_dim),
-        splits=splits, kernel=gluon_decode.int4_pages_kernel_v2 if version == 2 else None,
-        stages=2 if version == 2 else None)
+        splits=splits, kernel=gluon_decode.int4_pages_kernel_v2 if version >= 2 else None,
+        stages=2 if version >= 2 else None, fused_windows=version == 3)
 
 
 def relative_errors(actual, expected):
@@ -61,7 +74,7 @@ def relative_errors(actual, expected):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [3])
 def test_gluon_kernel_matches_reference(rng, head_dim, page_size, group, version):
     config = one_loop_config(head_dim, page_size, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
     cache, _ = build(rng, config, prompt_lengths=[37, 5, 8 * page_size + 3], steps=2)
@@ -75,7 +88,7 @@ def test_gluon_kernel_matches_reference(rng, head_dim, page_size, group, version
 
 @requires_gluon
 @pytest.mark.parametrize("value_group", [16, 32, 128])
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_gluon_kernel_value_groups(rng, value_group, version):
     config = one_loop_config(128, 64, value_group=value_group)
     cache, _ = build(rng, config, prompt_lengths=[300, 64, 129], steps=1)
@@ -85,7 +98,7 @@ def test_gluon_kernel_value_groups(rng, value_group, version):
 
 
 @requires_gluon
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_gluon_kernel_outlier_channels_and_pending_token(rng, version):
     """Keys with a few channels 10x the rest and large per-channel offsets (real-model K)."""
     config = one_loop_config(128, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)

@@ -435,6 +435,28 @@ def _padded_rows(page: int, words: int):
 
 
 @gluon.constexpr_function
+def _value_shared(page: int, words: int):
+    """One stage ``[page, W]`` of value words, rows XOR-spread over the banks.
+
+    The fragment reads of :func:`_value_tile_layout` touch tokens ``t`` (lanes
+    0-1) and word groups (lanes 2-4) at once; in a plain row-major tile the
+    tokens of one read share banks. Offset bits (words) map to (token, word)
+    so that token bits 1 and 2 also flip the two bank bits a read does not
+    otherwise vary: every read is conflict-free. (Offsets -> coordinates.)
+    """
+    lw, lp = _log2(words), _log2(page)
+    word_bases = [[0, 1 << b] for b in range(lw)]
+    if lw == 3:  # 32-byte rows; a read covers 32 lanes x 4 bytes
+        token_bases = [[1, 0], [2, 0], [5, 0]]
+    elif lw == 4:  # 64-byte rows; 16 lanes x 8 bytes
+        token_bases = [[1, 0], [3, 0], [4, 8]]
+    else:  # 128-byte rows (D = 256); 8 lanes x 16 bytes
+        token_bases = [[1, 0], [2, 8], [4, 16]]
+    token_bases = token_bases[:lp] + [[1 << b, 0] for b in range(3, lp)]
+    return gl.SharedLinearLayout(word_bases + token_bases)
+
+
+@gluon.constexpr_function
 def _plain_shared(rank: int):
     return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
 
@@ -513,14 +535,83 @@ def _value_tile_v2(tile, scale, minimum, PAGE: gl.constexpr, W: gl.constexpr, D:
     return gl.convert_layout(gl.reshape(x, [D, PAGE]), A_LAYOUT, assert_trivial=True)
 
 
+@gluon.constexpr_function
+def _window_key_layout(head_dim: int):
+    """``[16, D]`` window rows, physical order: thread (g, t) holds rows ``g, g + 8`` and
+    channels ``t D/4 ..`` (one 16-byte load per 8 channels)."""
+    regs = [[0, 1 << b] for b in range(_log2(head_dim) - 2)] + [[8, 0]]
+    lanes = [[0, head_dim // 4], [0, head_dim // 2], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [16, head_dim])
+
+
+@gluon.constexpr_function
+def _window_value_layout(head_dim: int):
+    """``[16, D]`` window rows, physical order: thread (g, t) holds rows ``{0, 1, 8, 9} + 2 t`` and
+    the ``D/8`` channels of its value words."""
+    regs = [[0, 1 << b] for b in range(_log2(head_dim) - 3)] + [[1, 0], [8, 0]]
+    lanes = [[2, 0], [4, 0], [0, head_dim // 8], [0, head_dim // 4], [0, head_dim // 2]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [16, head_dim])
+
+
+@gluon.constexpr_function
+def tokens_w_layout(mma):
+    """Layout of the ``[8, 16]`` window scores (rows 0-7 of a ``[16, 16]`` accumulator)."""
+    return gl.DistributedLinearLayout([[0, 1], [0, 8]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [], [], [8, 16])
+
+
+@gluon.jit
+def _load_window_rows(ptr, first, count, LAYOUT: gl.constexpr, D: gl.constexpr):
+    """float16 ``[16, D]`` rows ``first ..`` of a ``[count, D]`` window (0 past ``count``; clamped to +-65504)."""
+    rows = first + gl.arange(0, 16, layout=gl.SliceLayout(1, LAYOUT))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, LAYOUT))
+    mask = gl.expand_dims(rows < count, 1)
+    x = gl.load(ptr + gl.expand_dims(rows, 1) * D + gl.expand_dims(cols, 0), mask=mask, other=0.0)
+    return gl.minimum(gl.maximum(x.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+
+
+@gluon.jit
+def _window_chunk(query, k_ptr, v_ptr, first, count, valid, total, run_max, acc,
+                  D: gl.constexpr, W: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, MMA: gl.constexpr):
+    """One 16-slot chunk of an unquantized window into the online-softmax state."""
+    keys = _load_window_rows(k_ptr, first, count, _window_key_layout(D), D)
+    keys = gl.reshape(keys, [16, 2, 2, W // 4, 2, 2, 2])  # (row, wt1, wt0, wl, i2, i1, i0)
+    keys = gl.reshape(gl.permute(keys, [3, 5, 6, 1, 2, 4, 0]), [D, 16])  # logical key order
+    keys = gl.convert_layout(keys, B_OP, assert_trivial=True)
+    values = _load_window_rows(v_ptr, first, count, _window_value_layout(D), D)
+    values = gl.reshape(values, [16, 8, W // 8, 2, 2, 2])  # (row, wt, wl, i2, i1, i0)
+    values = gl.reshape(gl.permute(values, [3, 4, 5, 2, 1, 0]), [D, 16])  # (i2, i1, i0, wl, wt; row)
+    values = gl.convert_layout(values, A_OP, assert_trivial=True)
+    scores = _top_rows(mma_v2(query, keys, gl.zeros([16, 16], gl.float32, layout=MMA)), 16)  # [8, 16]
+    scores = gl.convert_layout(scores, tokens_w_layout(MMA), assert_trivial=True)
+    mask = gl.expand_dims(valid, 0)
+    scores = gl.where(mask, scores, MASK_VALUE)
+    row_max = gl.convert_layout(run_max, gl.SliceLayout(1, tokens_w_layout(MMA)))
+    new_max = gl.maximum(row_max, gl.max(scores, axis=1))
+    correction = gl.exp2(row_max - new_max)
+    weights = gl.where(mask, gl.exp2(scores - gl.expand_dims(new_max, 1)), 0.0)
+    total = total * gl.convert_layout(correction, total.type.layout) + gl.convert_layout(
+        gl.sum(weights, axis=1), total.type.layout)
+    p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+    acc_correction = gl.convert_layout(correction, gl.SliceLayout(0, MMA))
+    acc = mma_v2(values, p_t, acc * gl.expand_dims(acc_correction, 0))
+    return total, gl.convert_layout(new_max, run_max.type.layout), acc
+
+
 @gluon.jit
 def int4_pages_kernel_v2(
     q_ptr, table_ptr, bounds_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr,
-    kv_heads, pool_pages, max_pages, pages_per_split, slots,
+    sink_k_ptr,  # [window_loops, S, H, SINK, D] window dtype (any valid pointer when SINK == 0)
+    sink_v_ptr,
+    ring_k_ptr,  # [window_loops, S, H, RING, D] window dtype
+    ring_v_ptr,
+    kv_heads, pool_pages, max_pages, pages_per_split, slots, sequences, window_loop, window_split,
     out_ptr, sum_ptr, max_ptr,
     D: gl.constexpr, PAGE: gl.constexpr, GV: gl.constexpr, SINK: gl.constexpr, STAGES: gl.constexpr,
+    RING: gl.constexpr, WINDOWS: gl.constexpr,
 ):
-    """Same contract as :func:`int4_pages_kernel`."""
+    """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
+    of split ``window_split`` also attends over the sink and ring windows, so
+    the partials need no window slot."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
     MMA: gl.constexpr = _mma()
@@ -538,7 +629,7 @@ def int4_pages_kernel_v2(
     program = (seq * kv_heads + head).to(gl.int64)
 
     kw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _plain_shared(2))
-    vw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _plain_shared(2))
+    vw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _value_shared(PAGE, W))
     ks_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
     km_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
     vs_s = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE * NG], _plain_shared(1))
@@ -598,11 +689,32 @@ def int4_pages_kernel_v2(
         acc_correction = gl.convert_layout(correction, gl.SliceLayout(0, MMA))
         acc = mma_v2(values, p_t, acc * gl.expand_dims(acc_correction, 0))
     async_copy.wait_group(0)
+    total = gl.sum(sums, axis=1)
+
+    if WINDOWS:
+        if split == window_split:
+            visible = gl.load(bounds_ptr + seq * 2)
+            window = ((window_loop * sequences + seq) * kv_heads + head).to(gl.int64)
+            if SINK > 0:
+                for chunk in range(gl.cdiv(SINK, 16)):
+                    slot_index = chunk * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, tokens_w_layout(MMA)))
+                    valid = (slot_index < SINK) & (slot_index < visible)
+                    total, run_max, acc = _window_chunk(
+                        query, sink_k_ptr + window * (SINK * D), sink_v_ptr + window * (SINK * D), chunk * 16,
+                        SINK, valid, total, run_max, acc, D, W, A_OP, B_OP, MMA)
+            for chunk in range(gl.cdiv(RING, 16)):
+                slot_index = chunk * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, tokens_w_layout(MMA)))
+                behind = visible - 1 - slot_index
+                position = slot_index + RING * (gl.maximum(behind, 0) // RING)
+                valid = ((slot_index < RING) & (behind >= 0) & (position >= gl.maximum(packed_end, SINK))
+                         & (position < visible))
+                total, run_max, acc = _window_chunk(
+                    query, ring_k_ptr + window * (RING * D), ring_v_ptr + window * (RING * D), chunk * 16,
+                    RING, valid, total, run_max, acc, D, W, A_OP, B_OP, MMA)
 
     slot = program * slots + split
     o_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     o_chan = _value_physical(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), W)
     gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows, 0) * D + gl.expand_dims(o_chan, 1), acc)
-    total = gl.sum(sums, axis=1)
     gl.store(sum_ptr + slot * 8 + gl.arange(0, 8, layout=total.type.layout), total)
     gl.store(max_ptr + slot * 8 + gl.arange(0, 8, layout=run_max.type.layout), run_max)
