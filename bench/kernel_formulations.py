@@ -44,9 +44,22 @@ def formulation(name, loop=0, pages_only=False):
     from jflashloop_triton_kernels import decode_attention as gluon
     from jflashloop_triton_kernels import gluon_decode, triton_decode
 
-    stages, fused = None, name.endswith("w")
+    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k]: pipelined kernel, fused windows, token
+    # chunk, target programs, register cap, kernel partials only (no merge)
+    stages, fused, chunk, programs, partials, maxnreg = None, False, None, 2048, False, None
     if name.startswith("gluon2-s"):
-        kernel, stages = gluon_decode.int4_pages_kernel_v2, int(name.removeprefix("gluon2-s").removesuffix("w"))
+        kernel = gluon_decode.int4_pages_kernel_v2
+        head, *options = name.removeprefix("gluon2-s").split("-")
+        fused, stages = head.endswith("w"), int(head.removesuffix("w"))
+        for option in options:
+            if option.startswith("c"):
+                chunk = int(option[1:])
+            elif option.startswith("p"):
+                programs = int(option[1:])
+            elif option.startswith("r"):
+                maxnreg = int(option[1:])
+            elif option == "k":
+                partials = True
     elif name == "gluon":
         kernel = gluon_decode.int4_pages_kernel
     else:
@@ -61,7 +74,8 @@ def formulation(name, loop=0, pages_only=False):
             inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
             page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=loop,
             scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
-            stages=stages, fused_windows=fused and not pages_only)
+            stages=stages, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
+            partials_only=partials, maxnreg=maxnreg)
 
     return run
 
@@ -76,7 +90,7 @@ def main() -> int:
     parser.add_argument("--profile", default=None, help="run these formulations once each, page kernel only (for ncu), and exit")
     parser.add_argument("--shape", type=int, default=0)
     parser.add_argument("--shapes", default="0,1")
-    parser.add_argument("--names", default="pallas,triton,gluon,gluon2-s2,gluon2-s2w,gluon2-s4w")
+    parser.add_argument("--names", default="pallas,triton,gluon,gluon2-s2,gluon2-s2w")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print("needs a CUDA GPU", file=sys.stderr)
@@ -107,12 +121,13 @@ def main() -> int:
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, bench.HEAD_DIM), jnp.bfloat16)
         expected = jflashloop.decode_attention_reference(queries, caches[0], 0, 0)
         for fname in args.names.split(","):
-            variants = [(fname, False)] + ([(fname + " (pages only)", True)] if fname not in ("pallas",) and not fname.endswith("w") else [])
+            variants = [(fname, False)] + ([(fname + " (pages only)", True)] if fname in ("triton", "gluon") else [])
             for label, pages_only in variants:
                 try:
                     run = formulation(fname, pages_only=pages_only)
                     ms = bench.median_ms(run, [(queries, c) for c in caches])
-                    error = "" if pages_only else f"{relative_error(run(queries, caches[0]), expected):.2e}"
+                    error = "" if pages_only or fname.endswith("-k") else (
+                        f"{relative_error(run(queries, caches[0]), expected):.2e}")
                 except Exception as failure:  # report and go on: one broken variant must not hide the rest
                     print(f"| {name} | {label} | failed: {type(failure).__name__}: {str(failure)[:300]} |", flush=True)
                     continue

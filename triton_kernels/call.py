@@ -50,7 +50,8 @@ def _cache_dir() -> str:
     return tempfile.mkdtemp(prefix="jflashloop-triton-")
 
 
-def _compile_gluon(fn, arg_dtypes, scalar_args, *, num_warps, num_ctas, compute_capability, metaparams, lib):
+def _compile_gluon(fn, arg_dtypes, scalar_args, *, num_warps, num_ctas, compute_capability, metaparams, lib,
+                   maxnreg=None):
     """Compile a Gluon kernel for ``compute_capability``: (TritonKernel, specialization attrs)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -74,8 +75,10 @@ def _compile_gluon(fn, arg_dtypes, scalar_args, *, num_warps, num_ctas, compute_
         signature[name] = "constexpr"
     source = GluonASTSource(fn, signature, constants, attrs)
     with _triton_cache_dir():
-        compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
-                                  options={"num_warps": num_warps, "num_ctas": num_ctas})
+        options = {"num_warps": num_warps, "num_ctas": num_ctas}
+        if maxnreg is not None:
+            options["maxnreg"] = maxnreg
+        compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32), options=options)
     kernel = lib.triton_kernel_call_lib.TritonKernel(
         compiled.metadata.name, num_warps, num_ctas, compiled.metadata.shared, compiled.asm["ptx"],
         "", compute_capability)
@@ -98,20 +101,33 @@ def _install_gluon_support() -> None:
         if compute_capability is None:
             compute_capability = lib.triton_kernel_call_lib.get_compute_capability(0)
         num_warps = 4 if num_warps is None else num_warps
+        metaparams = dict(metaparams)
+        maxnreg = metaparams.pop(MAXNREG, None)
         key = (fn, tuple(arg_dtypes), tuple(scalar_args), num_warps, num_ctas, compute_capability,
-               tuple(sorted(metaparams.items())))
+               tuple(sorted(metaparams.items())), maxnreg)
         if key not in cache:
             cache[key] = _compile_gluon(fn, arg_dtypes, scalar_args, num_warps=num_warps, num_ctas=num_ctas,
-                                        compute_capability=compute_capability, metaparams=metaparams, lib=lib)
+                                        compute_capability=compute_capability, metaparams=metaparams, lib=lib,
+                                        maxnreg=maxnreg)
         return cache[key]
 
     lib.get_or_create_triton_kernel = get_or_create
 
 
-def triton_call(*args, kernel, **kwargs):
-    """``jax_triton.triton_call`` that also takes ``gluon.jit`` kernels (same arguments)."""
+MAXNREG = "_jflashloop_maxnreg"
+
+
+def triton_call(*args, kernel, maxnreg: int | None = None, **kwargs):
+    """``jax_triton.triton_call`` that also takes ``gluon.jit`` kernels (same arguments).
+
+    ``maxnreg`` (Gluon kernels only): a register cap per thread, passed to ptxas.
+    """
     import jax_triton
 
-    if hasattr(kernel, "is_gluon") and kernel.is_gluon() and jax_triton.__version_info__ < (0, 4):
-        _install_gluon_support()
+    if hasattr(kernel, "is_gluon") and kernel.is_gluon():
+        _install_gluon_support()  # also for jax_triton >= 0.4: the register cap travels through it
+        if maxnreg is not None:
+            kwargs[MAXNREG] = maxnreg
+    elif maxnreg is not None:
+        raise ValueError("maxnreg applies to Gluon kernels")
     return jax_triton.triton_call(*args, kernel=kernel, **kwargs)

@@ -45,7 +45,8 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int) -> str 
 
 def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dict[str, Any], *,
                   page_size: int, sink_tokens: int, value_group: int, splits: int, kernel=None,
-                  num_warps: int = 1, num_stages: int = 1, stages: int | None = None, windows=None):
+                  num_warps: int = 1, num_stages: int = 1, stages: int | None = None, windows=None,
+                  chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None):
     """Run the Gluon page kernel.
 
     Args:
@@ -66,19 +67,21 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
     pool = keys["payload"].shape[1]
     max_pages = block_tables.shape[1]
     pages_per_split = -(-max_pages // splits)
+    # With fused windows, a program of its own (split index ``splits``, no pages) attends over them.
+    slots = splits + 1 if windows is not None and window_program else splits
     out_shape = [
-        jax.ShapeDtypeStruct((sequences, kv_heads, splits, ROWS, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((sequences, kv_heads, splits, ROWS), jnp.float32),
-        jax.ShapeDtypeStruct((sequences, kv_heads, splits, ROWS), jnp.float32),
+        jax.ShapeDtypeStruct((sequences, kv_heads, slots, ROWS, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((sequences, kv_heads, slots, ROWS), jnp.float32),
+        jax.ShapeDtypeStruct((sequences, kv_heads, slots, ROWS), jnp.float32),
     ]
     arrays = [query, block_tables.astype(jnp.int32), bounds.astype(jnp.int32),
               keys["payload"], keys["scale"], keys["minimum"], values["payload"], values["scale"], values["minimum"]]
-    scalars = [kv_heads, pool, max_pages, pages_per_split, splits]
-    extra = {} if stages is None else {"STAGES": stages}
+    scalars = [kv_heads, pool, max_pages, pages_per_split, slots]
+    extra = {} if stages is None else {"STAGES": stages, "CHUNK": chunk or page_size}
     if windows is not None:  # (sink_keys | None, sink_values | None, ring_keys, ring_values, window_loop)
         sink_k, sink_v, ring_k, ring_v, window_loop = windows
         arrays += [ring_k if sink_k is None else sink_k, ring_v if sink_v is None else sink_v, ring_k, ring_v]
-        scalars += [sequences, window_loop, splits - 1]
+        scalars += [sequences, window_loop, slots - 1]
         extra.update(RING=ring_k.shape[3], WINDOWS=True)
     elif stages is not None:  # the pipelined kernel without windows: any arrays for the unused pointers
         arrays += [query] * 4
@@ -86,19 +89,22 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         extra.update(RING=16, WINDOWS=False)
     return call.triton_call(
         *arrays, *scalars,
-        kernel=kernel, out_shape=out_shape, grid=(sequences, kv_heads, splits),
+        kernel=kernel, out_shape=out_shape, grid=(sequences, kv_heads, slots),
         num_warps=num_warps, num_stages=num_stages, name=f"jflashloop_int4_pages_{splits=}",
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
         D=head_dim, PAGE=page_size, GV=value_group, SINK=sink_tokens, **extra,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("loops", "page_size", "sink_tokens", "window_loop", "scale",
                                              "splits", "pages_only", "kernel", "stages",
-                                             "fused_windows"))
+                                             "fused_windows", "chunk", "target_programs", "partials_only",
+                                             "maxnreg"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, loops, page_size: int, sink_tokens: int, window_loop: int,
                            scale: float, splits: int | None = None, pages_only: bool = False, kernel=None,
-                           stages: int | None = None, fused_windows: bool = False):
+                           stages: int | None = None, fused_windows: bool = False, chunk: int | None = None,
+                           target_programs: int = 2048, partials_only: bool = False, maxnreg: int | None = None):
     """float32 ``[S, q_heads, D]``: decode attention (one dense INT4 loop).
 
     ``splits``: split-KV programs per (sequence, KV head) (None: about 2048
@@ -113,7 +119,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         raise NotImplementedError(reason)
     max_pages = block_tables.shape[1]
     if splits is None:
-        splits = max(1, min(max_pages, -(-2048 // (sequences * kv_heads))))
+        splits = max(1, min(max_pages, -(-target_programs // (sequences * kv_heads))))
     query = queries.astype(jnp.float32) * (scale * LOG2_E)
     query = query.reshape(sequences, kv_heads, group, head_dim)
     query = jnp.pad(query, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
@@ -125,8 +131,10 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     output, total, running_max = page_partials(
         query, block_tables, bounds, stream["keys"], stream["values"], page_size=page_size,
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel, stages=stages,
-        windows=windows,
+        windows=windows, chunk=chunk, maxnreg=maxnreg,
         **({} if kernel is None or kernel.is_gluon() else {"num_warps": 4, "num_stages": 2}))
+    if partials_only:
+        return output, total, running_max
     if not (pages_only or fused_windows):
         order = pallas_decode.pair_order(head_dim)
         w_out, w_sum, w_max = pallas_decode.window_partials(

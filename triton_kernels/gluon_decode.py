@@ -607,7 +607,7 @@ def int4_pages_kernel_v2(
     kv_heads, pool_pages, max_pages, pages_per_split, slots, sequences, window_loop, window_split,
     out_ptr, sum_ptr, max_ptr,
     D: gl.constexpr, PAGE: gl.constexpr, GV: gl.constexpr, SINK: gl.constexpr, STAGES: gl.constexpr,
-    RING: gl.constexpr, WINDOWS: gl.constexpr,
+    RING: gl.constexpr, WINDOWS: gl.constexpr, CHUNK: gl.constexpr,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -617,9 +617,9 @@ def int4_pages_kernel_v2(
     MMA: gl.constexpr = _mma()
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-    KW: gl.constexpr = _key_words_layout(PAGE, W)
-    VT: gl.constexpr = _value_tile_layout(PAGE, W)
-    VS: gl.constexpr = _value_meta_layout(PAGE, NG, D, GV)
+    KW: gl.constexpr = _key_words_layout(CHUNK, W)
+    VT: gl.constexpr = _value_tile_layout(CHUNK, W)
+    VS: gl.constexpr = _value_meta_layout(CHUNK, NG, D, GV)
     KM: gl.constexpr = _key_meta_layout(D)
     QL: gl.constexpr = _query_layout(D)
 
@@ -653,10 +653,10 @@ def int4_pages_kernel_v2(
     zeros_c8 = gl.zeros([16, 8], gl.float32, layout=MMA)
 
     acc = gl.zeros([D, 8], gl.float32, layout=MMA)
-    zero_scores = gl.zeros([16, PAGE], gl.float32, layout=MMA)
-    run_max = gl.max(_top_rows(zero_scores, PAGE), axis=1) + MASK_VALUE
-    sums = _top_rows(zero_scores, PAGE)
-    tokens = gl.arange(0, PAGE, layout=gl.SliceLayout(0, sums.type.layout))
+    zero_scores = gl.zeros([16, CHUNK], gl.float32, layout=MMA)
+    run_max = gl.max(_top_rows(zero_scores, CHUNK), axis=1) + MASK_VALUE
+    sums = _top_rows(zero_scores, CHUNK)
+    tokens = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, sums.type.layout))
 
     for step in range(count):
         _issue_page(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, (step + STAGES - 1) % STAGES, step + STAGES - 1, count,
@@ -664,7 +664,6 @@ def int4_pages_kernel_v2(
                     max_pages, PAGE, W, D, NG)
         async_copy.wait_group(STAGES - 1)
         stage = step % STAGES
-        key_words = kw_s.index(stage).load(KW)
         k_scale = _key_order_1d(ks_s.index(stage).load(KM), D, W)
         k_min = _key_order_1d(km_s.index(stage).load(KM), D, W)
         k_scale = gl.convert_layout(k_scale, gl.SliceLayout(0, A_OP), assert_trivial=True)
@@ -672,22 +671,26 @@ def int4_pages_kernel_v2(
         scaled = query * gl.expand_dims(k_scale, 0)
         minimum = gl.broadcast(gl.expand_dims(k_min, 1), zeros_b8)[0]
         offset = mma_v2(query, minimum, zeros_c8)  # [16, 8]: q . min in every column
-        codes = _key_tile_v2(key_words, PAGE, W, D, B_OP)
-        start = gl.convert_layout(_tile_columns(offset, PAGE), MMA, assert_trivial=True)
-        scores = _top_rows(mma_v2(scaled, codes, start), PAGE)  # [8, PAGE]
-        token = (first + step) * PAGE + tokens
-        valid = gl.expand_dims((token >= SINK) & (token < packed_end), 0)
-        scores = gl.where(valid, scores, MASK_VALUE)
-        new_max = gl.maximum(run_max, gl.max(scores, axis=1))
-        correction = gl.exp2(run_max - new_max)
-        weights = gl.where(valid, gl.exp2(scores - gl.expand_dims(new_max, 1)), 0.0)
-        sums = sums * gl.expand_dims(correction, 1) + weights
-        run_max = new_max
-        p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-        values = _value_tile_v2(vw_s.index(stage).load(VT), vs_s.index(stage).reshape([PAGE, NG]).load(VS),
-                                vm_s.index(stage).reshape([PAGE, NG]).load(VS), PAGE, W, D, NG, A_OP)
-        acc_correction = gl.convert_layout(correction, gl.SliceLayout(0, MMA))
-        acc = mma_v2(values, p_t, acc * gl.expand_dims(acc_correction, 0))
+        start = gl.convert_layout(_tile_columns(offset, CHUNK), MMA, assert_trivial=True)
+        for c in gl.static_range(PAGE // CHUNK):
+            key_words = kw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW)
+            codes = _key_tile_v2(key_words, CHUNK, W, D, B_OP)
+            scores = _top_rows(mma_v2(scaled, codes, start), CHUNK)  # [8, CHUNK]
+            token = (first + step) * PAGE + c * CHUNK + tokens
+            valid = gl.expand_dims((token >= SINK) & (token < packed_end), 0)
+            scores = gl.where(valid, scores, MASK_VALUE)
+            new_max = gl.maximum(run_max, gl.max(scores, axis=1))
+            correction = gl.exp2(run_max - new_max)
+            weights = gl.where(valid, gl.exp2(scores - gl.expand_dims(new_max, 1)), 0.0)
+            sums = sums * gl.expand_dims(correction, 1) + weights
+            run_max = new_max
+            p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+            values = _value_tile_v2(vw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(VT),
+                                    vs_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS),
+                                    vm_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS),
+                                    CHUNK, W, D, NG, A_OP)
+            acc_correction = gl.convert_layout(correction, gl.SliceLayout(0, MMA))
+            acc = mma_v2(values, p_t, acc * gl.expand_dims(acc_correction, 0))
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
 
