@@ -225,15 +225,21 @@ def dequantize_then_attend(loop):
     return run
 
 
-def ours(loop, kernel_config=None):
+def ours(loop, kernel_config=None, implementation="pallas"):
     @jax.jit
     def run(queries, cache):
         return jflashloop.decode_attention(
-            queries, cache, 0, loop, include_pending=True, implementation="pallas",
+            queries, cache, 0, loop, include_pending=True, implementation=implementation,
             kernel_config=kernel_config,
         )
 
     return run
+
+
+def gluon_reads(queries, cache, loop) -> bool:
+    from jflashloop.attention import gluon_unsupported_reason
+
+    return gluon_unsupported_reason(queries, cache, loop) is None
 
 
 def row(name, variant, ms, bytes_read, reference_ms=None):
@@ -282,8 +288,12 @@ def benchmark_shape(name, sequences, q_heads, kv_heads, tokens, args, results):
             queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, HEAD_DIM), jnp.bfloat16)
             label = f"jflashloop {value_format.upper()} loop {loops}"
             ms = median_ms(ours(loops - 1), [(queries, c) for c in caches])
-            results.append(row(name, label, ms, bytes_read, cudnn_ms))
+            results.append(row(name, label + " (Pallas)", ms, bytes_read, cudnn_ms))
             print_row(results[-1])
+            if gluon_reads(queries, caches[0], loops - 1):
+                ms = median_ms(ours(loops - 1, implementation="gluon"), [(queries, c) for c in caches])
+                results.append(row(name, label + " (Gluon, default)", ms, bytes_read, cudnn_ms))
+                print_row(results[-1])
             if loops == 1 and value_format == "int4" and not args.quick:
                 f32_ms = median_ms(ours(0, KernelConfig(products="float32")), [(queries, c) for c in caches])
                 results.append(row(name, label + " (float32 products)", f32_ms, bytes_read, cudnn_ms))

@@ -43,14 +43,15 @@ SHAPES = [bench.SHAPES[1], bench.SHAPES[4], bench.SHAPES[2], bench.SHAPES[0]]
 def formulation(name, loop=0, pages_only=False):
     if name == "pallas":
         return bench.ours(loop)
+    if name == "public":  # jflashloop.decode_attention's own choice (the Gluon kernel where it reads the cache)
+        return bench.ours(loop, implementation=None)
     from jflashloop_triton_kernels import decode_attention as gluon
-    from jflashloop_triton_kernels import gluon_decode, triton_decode
 
     # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k]: pipelined kernel, fused windows, token
     # chunk, target programs, register cap, kernel partials only (no merge)
     stages, fused, chunk, programs, partials, maxnreg = None, False, None, 2048, False, None
     if name.startswith("gluon2-s"):
-        kernel = gluon_decode.int4_pages_kernel_v2
+        kernel = "pipelined"
         head, *options = name.removeprefix("gluon2-s").split("-")
         fused, stages = head.endswith("w"), int(head.removesuffix("w"))
         for option in options:
@@ -63,9 +64,9 @@ def formulation(name, loop=0, pages_only=False):
             elif option == "k":
                 partials = True
     elif name == "gluon":
-        kernel = gluon_decode.int4_pages_kernel
+        kernel = "simple"
     else:
-        kernel = triton_decode.int4_pages_kernel
+        kernel = "triton"
 
     @jax.jit
     def run(queries, cache):
@@ -76,7 +77,8 @@ def formulation(name, loop=0, pages_only=False):
             inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
             page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=loop,
             scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
-            stages=stages, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
+            stages=stages or 2, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
+            min_pages_per_split=1,
             partials_only=partials, maxnreg=maxnreg)
 
     return run

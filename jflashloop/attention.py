@@ -177,6 +177,56 @@ def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: b
     )
 
 
+def gluon_unsupported_reason(queries, cache: PagedKVCache, loop: int) -> str | None:
+    """Why the Gluon kernel cannot serve this call, or None (it needs a GPU and ``jax_triton``)."""
+    if jax.default_backend() != "gpu":
+        return "the Gluon kernel runs on CUDA GPUs only"
+    try:
+        from jflashloop_triton_kernels import call
+        from jflashloop_triton_kernels.decode_attention import unsupported_reason
+    except ImportError as error:  # pragma: no cover - depends on the installation
+        return f"the Gluon kernel needs triton: {error}"
+    if not call.available():
+        return "the Gluon kernel needs jax_triton (pip install jax-triton)"
+    c = cache.config
+    if queries.ndim != 3 or queries.shape[1] % c.num_kv_heads:
+        return "queries must be [max_sequences, q_heads, head_dim]"
+    loops = kernel_inputs_formats(cache, loop)
+    return unsupported_reason(loops, c.head_dim, c.page_size, queries.shape[1] // c.num_kv_heads)
+
+
+def kernel_inputs_formats(cache: PagedKVCache, loop: int):
+    """The static stream formats of loops ``0..loop`` (kernel descriptors)."""
+    from jflashloop_pallas_kernels.decode_attention import LoopFormat, StreamFormat
+
+    c = cache.config
+    return tuple(
+        LoopFormat(
+            StreamFormat(c.loops[i].key_spec.format, c.loops[i].key_spec.axis, c.loops[i].key_spec.group_size, c.rows(i)),
+            StreamFormat(c.loops[i].value_spec.format, c.loops[i].value_spec.axis, c.loops[i].value_spec.group_size, c.rows(i)),
+            c.loops[i].is_sparse,
+        )
+        for i in range(loop + 1)
+    )
+
+
+def _gluon_decode_attention(queries, cache, layer, loop, *, include_pending, scale, kernel_config):
+    from jflashloop_triton_kernels.decode_attention import paged_decode_attention
+
+    c = cache.config
+    _check_arguments(queries, cache, layer, loop)
+    scale = 1.0 / math.sqrt(c.head_dim) if scale is None else float(scale)
+    inputs = kernel_inputs(cache, layer, loop, include_pending)
+    options = {}
+    if kernel_config is not None:
+        options = dict(splits=kernel_config.num_splits, target_programs=kernel_config.target_programs)
+    return paged_decode_attention(
+        queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
+        inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
+        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=inputs["window_loop"], scale=scale,
+        **options)
+
+
 def decode_attention(
     queries: jax.Array,
     cache: PagedKVCache,
@@ -196,11 +246,14 @@ def decode_attention(
     Args:
       queries: ``[max_sequences, q_heads, head_dim]``.
       cache, layer, loop, include_pending, scale: as for the reference.
-      implementation: ``None`` (the Pallas kernel on GPU, the reference path
-        elsewhere), ``"pallas"`` (the fused kernel; interpret mode off GPU,
-        slow, for tests), or ``"xla"`` (the reference path).
+      implementation: ``None`` (on a GPU the Gluon kernel where it reads the
+        streams and ``jax_triton`` is installed, else the Pallas kernel; the
+        reference path elsewhere), ``"gluon"`` (the Gluon kernel: one dense
+        INT4 loop, GPU only), ``"pallas"`` (the Pallas kernel; interpret mode
+        off GPU, slow, for tests), or ``"xla"`` (the reference path).
       kernel_config: ``jflashloop_pallas_kernels.decode_attention.KernelConfig``
-        (block sizes, splits, warps); None uses the measured defaults.
+        (block sizes, splits, warps); None uses the measured defaults. The
+        Gluon kernel takes its ``num_splits`` and ``target_programs`` only.
       poison_for_tests: fill the kernel's partial outputs with NaN first, so an
         element it fails to write shows up as NaN.
     Returns:
@@ -216,11 +269,19 @@ def decode_attention(
         kernel does not read (the automatic choice falls back to the
         reference path instead).
     """
-    if implementation not in ("xla", "pallas", None):
-        raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
+    if implementation not in ("xla", "pallas", "gluon", None):
+        raise ValueError(f"implementation must be None, 'xla', 'pallas' or 'gluon', got {implementation!r}")
     automatic = implementation is None
     if automatic:
-        implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
+        implementation = "xla"
+        if jax.default_backend() == "gpu":
+            implementation = "gluon" if gluon_unsupported_reason(queries, cache, loop) is None else "pallas"
+    if implementation == "gluon":
+        reason = gluon_unsupported_reason(queries, cache, loop)
+        if reason:
+            raise NotImplementedError(reason)
+        return _gluon_decode_attention(queries, cache, layer, loop, include_pending=include_pending, scale=scale,
+                                       kernel_config=kernel_config)
     if implementation == "pallas":
         try:
             kernel_rotations(cache, loop)

@@ -197,11 +197,18 @@ def test_public_dispatch_picks_the_backend(rng):
     cache, _ = build(rng, config, prompt_lengths=[20], steps=0)
     queries = jnp.asarray(rng.standard_normal((3, 4, HEAD_DIM)), jnp.float32)
     auto = jflashloop.decode_attention(queries, cache, 0, 0)
-    chosen = "pallas" if ON_GPU else "xla"
+    chosen = "xla"
+    if ON_GPU:
+        from jflashloop.attention import gluon_unsupported_reason
+
+        chosen = "gluon" if gluon_unsupported_reason(queries, cache, 0) is None else "pallas"
     explicit = jflashloop.decode_attention(queries, cache, 0, 0, implementation=chosen)
     assert_bits_equal(auto, explicit, "auto dispatch")
     with pytest.raises(ValueError, match="implementation"):
         jflashloop.decode_attention(queries, cache, 0, 0, implementation="cuda")
+    if not ON_GPU:
+        with pytest.raises(NotImplementedError, match="CUDA GPUs"):
+            jflashloop.decode_attention(queries, cache, 0, 0, implementation="gluon")
 
 
 def _oracle_tile(tile, spec):

@@ -51,9 +51,11 @@ def one_loop_config(head_dim, page_size, value_group=64, **overrides):
     return dataclasses.replace(base, loops=(loop,))
 
 
-def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None, version=1):
+VERSIONS = {1: dict(kernel="simple"), 2: dict(kernel="pipelined", fused_windows=False), 3: {}}  # 3: the default
+
+
+def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None, version=3):
     from jflashloop_triton_kernels import decode_attention as gluon
-    from jflashloop_triton_kernels import gluon_decode
 
     c = cache.config
     inputs = kernel_inputs(cache, layer, 0, include_pending)
@@ -61,8 +63,7 @@ def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None
         queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
         inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
         page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=0, scale=1 / math.sqrt(c.head_dim),
-        splits=splits, kernel=gluon_decode.int4_pages_kernel_v2 if version >= 2 else None,
-        stages=2 if version >= 2 else None, fused_windows=version == 3)
+        splits=splits, **VERSIONS[version])
 
 
 def relative_errors(actual, expected):

@@ -44,7 +44,7 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int) -> str 
 
 
 def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dict[str, Any], *,
-                  page_size: int, sink_tokens: int, value_group: int, splits: int, kernel=None,
+                  page_size: int, sink_tokens: int, value_group: int, splits: int, kernel: str = "pipelined",
                   num_warps: int = 1, num_stages: int = 1, stages: int | None = None, windows=None,
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None):
     """Run the Gluon page kernel.
@@ -59,9 +59,10 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
       ``(out [S, H, splits, 8, D], sum [S, H, splits, 8], max [S, H, splits, 8])``
       float32, natural channel order.
     """
-    from . import call, gluon_decode
+    from . import call, gluon_decode, triton_decode
 
-    kernel = gluon_decode.int4_pages_kernel if kernel is None else kernel
+    kernel = {"pipelined": gluon_decode.int4_pages_kernel_v2, "simple": gluon_decode.int4_pages_kernel,
+              "triton": triton_decode.int4_pages_kernel}[kernel]
 
     sequences, kv_heads, _, head_dim = query.shape
     pool = keys["payload"].shape[1]
@@ -98,18 +99,32 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
 
 @functools.partial(jax.jit, static_argnames=("loops", "page_size", "sink_tokens", "window_loop", "scale",
                                              "splits", "pages_only", "kernel", "stages",
-                                             "fused_windows", "chunk", "target_programs", "partials_only",
-                                             "maxnreg"))
+                                             "fused_windows", "chunk", "target_programs", "min_pages_per_split",
+                                             "partials_only", "maxnreg"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, loops, page_size: int, sink_tokens: int, window_loop: int,
-                           scale: float, splits: int | None = None, pages_only: bool = False, kernel=None,
-                           stages: int | None = None, fused_windows: bool = False, chunk: int | None = None,
-                           target_programs: int = 2048, partials_only: bool = False, maxnreg: int | None = None):
-    """float32 ``[S, q_heads, D]``: decode attention (one dense INT4 loop).
+                           scale: float, splits: int | None = None, pages_only: bool = False,
+                           kernel: str = "pipelined", stages: int = 2, fused_windows: bool = True,
+                           chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
+                           partials_only: bool = False, maxnreg: int | None = None):
+    """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop.
 
-    ``splits``: split-KV programs per (sequence, KV head) (None: about 2048
-    programs in all). ``pages_only`` skips the windows (benchmarks of the page
-    kernel alone).
+    Arguments as for
+    :func:`jflashloop_pallas_kernels.decode_attention.paged_decode_attention`;
+    the rest choose the kernel (the defaults are the measured best,
+    ``bench/KERNEL_NOTES.md``):
+
+    * ``kernel``: ``"pipelined"`` (cp.async pipeline of ``stages`` pages,
+      windows inside when ``fused_windows``), ``"simple"`` (one page at a time,
+      loads straight to registers; windows by the Pallas window kernel) or
+      ``"triton"`` (the simple kernel's algorithm in plain Triton).
+    * ``splits``: split-KV programs per (sequence, KV head); None gives about
+      ``target_programs`` programs in all, but no fewer than
+      ``min_pages_per_split`` pages per program.
+    * ``chunk``: tokens per step inside a page (default: the page);
+      ``maxnreg``: a register cap per thread (ptxas).
+    * ``pages_only`` skips the windows and ``partials_only`` returns the
+      kernel's partials unmerged (benchmarks).
     """
     sequences, q_heads, head_dim = queries.shape
     kv_heads = ring_keys.shape[2]
@@ -119,20 +134,23 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         raise NotImplementedError(reason)
     max_pages = block_tables.shape[1]
     if splits is None:
-        splits = max(1, min(max_pages, -(-target_programs // (sequences * kv_heads))))
+        wanted = -(-target_programs // (sequences * kv_heads))
+        splits = max(1, min(wanted, -(-max_pages // min_pages_per_split)))
     query = queries.astype(jnp.float32) * (scale * LOG2_E)
     query = query.reshape(sequences, kv_heads, group, head_dim)
     query = jnp.pad(query, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     stream = streams[0]
+    pipelined = kernel == "pipelined"
+    fused_windows = fused_windows and pipelined and not pages_only
     windows = None
     if fused_windows:
         windows = (sink_keys if sink_tokens else None, sink_values if sink_tokens else None, ring_keys, ring_values,
                    window_loop)
     output, total, running_max = page_partials(
         query, block_tables, bounds, stream["keys"], stream["values"], page_size=page_size,
-        sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel, stages=stages,
-        windows=windows, chunk=chunk, maxnreg=maxnreg,
-        **({} if kernel is None or kernel.is_gluon() else {"num_warps": 4, "num_stages": 2}))
+        sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
+        stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg,
+        **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     if partials_only:
         return output, total, running_max
     if not (pages_only or fused_windows):
