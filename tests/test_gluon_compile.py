@@ -1,0 +1,48 @@
+"""The Gluon page kernels compile for sm_90 on any machine (triton's own ptxas, no GPU).
+
+What this checks without a GPU: every layout conversion the kernels assert
+to be trivial is trivial (so the decoded tiles never go through shared
+memory), the matrix products are portable ``mma.sync`` (no wgmma), shared
+memory is written only by cp.async copies of the packed pages, and the
+register budget holds without spills at head_dim <= 128. The numerics run on
+the GPU (tests/test_gluon_decode.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+
+from jflashloop_triton_kernels import compile_check  # noqa: E402
+
+
+def _count(ptx: str, pattern: str) -> int:
+    return len(re.findall(pattern, ptx))
+
+
+@pytest.mark.parametrize("head_dim, page_size", [(64, 64), (128, 16), (128, 64), (128, 128), (256, 16)])
+def test_pipelined_kernel_compiles_with_register_fragments(head_dim, page_size):
+    compiled = compile_check.compile_pages_kernel("pipelined", head_dim=head_dim, page_size=page_size)
+    ptx = compiled.asm["ptx"]
+    assert _count(ptx, r"mma\.sync\.aligned\.m16n8k16") > 0
+    assert _count(ptx, r"wgmma") == 0
+    assert _count(ptx, r"cp\.async\.cg\.shared\.global") > 0
+    assert _count(ptx, r"st\.shared") == 0  # shared memory holds packed pages only (cp.async)
+    stage_bytes = page_size * head_dim + 4 * head_dim + 4 * page_size * (head_dim // 64)  # K+V words, metadata
+    assert compiled.metadata.shared == 2 * stage_bytes
+    resources = compile_check.ptxas_resources(ptx, "sm_90a")
+    assert resources["registers"] <= 255
+    if head_dim <= 128 and page_size <= 64:
+        assert resources["spill_stores"] == 0, resources
+
+
+def test_simple_kernel_uses_no_shared_memory():
+    compiled = compile_check.compile_pages_kernel("simple")
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.shared == 0
+    assert _count(ptx, r"ld\.shared|st\.shared|ldmatrix") == 0
+    assert _count(ptx, r"mma\.sync\.aligned\.m16n8k16") == 96  # 64 score + 32 value products per page

@@ -1,0 +1,74 @@
+"""Compile the Gluon kernels for a GPU target without a GPU (triton's own ptxas).
+
+Used by the tests (layouts: every ``assert_trivial`` conversion must hold, so
+no decoded tile goes through shared memory) and by the resource reports:
+:func:`compile_pages_kernel` returns the PTX and the metadata, and
+:func:`ptxas_resources` the registers, spills and shared memory ptxas reports.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+POINTERS = ["*fp32", "*i32", "*i32", "*u32", "*fp16", "*fp16", "*u32", "*fp16", "*fp16"]
+OUTPUTS = ["*fp32", "*fp32", "*fp32"]
+
+
+def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page_size: int = 64,
+                         value_group: int = 64, sink_tokens: int = 4, ring: int = 64, stages: int = 2,
+                         chunk: int | None = None, capability: int = 90, maxnreg: int | None = None):
+    """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import gluon_decode
+
+    pipelined = kernel == "pipelined"
+    fn = gluon_decode.int4_pages_kernel_v2 if pipelined else gluon_decode.int4_pages_kernel
+    windows = ["*bf16"] * 4 if pipelined else []
+    scalars = ["i32"] * (8 if pipelined else 5)
+    constants = {"D": head_dim, "PAGE": page_size, "GV": value_group, "SINK": sink_tokens}
+    if pipelined:
+        constants.update(STAGES=stages, RING=ring, WINDOWS=True, CHUNK=chunk or page_size)
+    types = POINTERS + windows + scalars + OUTPUTS + ["constexpr"] * len(constants)
+    signature = dict(zip(fn.arg_names, types, strict=True))
+    pointers = [i for i, t in enumerate(types) if t.startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
+    options = {"num_warps": 1}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    with tempfile.TemporaryDirectory() as cache:
+        saved = os.environ.get("TRITON_CACHE_DIR")
+        os.environ["TRITON_CACHE_DIR"] = cache
+        try:
+            return triton.compile(GluonASTSource(fn, signature, constants, attrs),
+                                  target=GPUTarget("cuda", capability, 32), options=options)
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = saved
+
+
+def ptxas_resources(ptx: str, arch: str) -> dict[str, int]:
+    """Registers, spill bytes and static shared memory of ``ptx`` for ``arch`` (e.g. ``"sm_90a"``)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(int(re.sub(r"\D", "", arch))).path
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "kernel.ptx")
+        with open(source, "w") as handle:
+            handle.write(ptx)
+        report = subprocess.run([ptxas, f"-arch={arch}", "-v", source, "-o", os.path.join(folder, "kernel.cubin")],
+                                capture_output=True, text=True, check=True).stderr
+
+    def number(pattern):
+        match = re.search(pattern, report)
+        return int(match.group(1)) if match else 0
+
+    return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"), "shared": number(r"(\d+) bytes smem")}
