@@ -38,24 +38,26 @@ from jflashloop_pallas_kernels.decode_attention import KernelConfig
 
 L2_BYTES = 60 * 2**20
 
-SHAPES = [
-    # name, sequences, q_heads, kv_heads, tokens
-    ("B8 Hq32 Hkv8 T4K", 8, 32, 8, 4096),
-    ("B8 Hq32 Hkv8 T32K", 8, 32, 8, 32768),
-    ("B8 Hq32 Hkv8 T128K", 8, 32, 8, 131072),
-    ("B1 Hq16 Hkv16 T8K", 1, 16, 16, 8192),
-    ("B1 Hq16 Hkv16 T64K", 1, 16, 16, 65536),
-    ("B16 Hq16 Hkv16 T8K", 16, 16, 16, 8192),
-]
 HEAD_DIM = 128
+SHAPES = [
+    # name, sequences, q_heads, kv_heads, tokens, head_dim
+    ("B8 Hq32 Hkv8 T4K", 8, 32, 8, 4096, HEAD_DIM),
+    ("B8 Hq32 Hkv8 T32K", 8, 32, 8, 32768, HEAD_DIM),
+    ("B8 Hq32 Hkv8 T128K", 8, 32, 8, 131072, HEAD_DIM),
+    ("B1 Hq16 Hkv16 T8K", 1, 16, 16, 8192, HEAD_DIM),
+    ("B1 Hq16 Hkv16 T64K", 1, 16, 16, 65536, HEAD_DIM),
+    ("B16 Hq16 Hkv16 T8K", 16, 16, 16, 8192, HEAD_DIM),
+    ("B8 Hq9 Hkv3 T32K D64", 8, 9, 3, 32768, 64),  # SmolLM2-like: head_dim 64, GQA 3
+    ("B8 Hq8 Hkv1 T32K D256", 8, 8, 1, 32768, 256),  # one KV head of 256 channels
+]
 
 
-def make_config(sequences, kv_heads, tokens, loops, value_format="int4"):
+def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_dim=HEAD_DIM):
     """``value_format``: "int4" (FlashLoop policy), "nvfp4" or "int4_rotated" (every stream)."""
     page_size = 64
     pages = tokens // page_size
     config = CacheConfig.flashloop(
-        num_layers=1, num_kv_heads=kv_heads, head_dim=HEAD_DIM, num_pages=sequences * pages,
+        num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, num_pages=sequences * pages,
         max_sequences=sequences, max_pages_per_sequence=pages, num_loops=loops, page_size=page_size,
     )
     if value_format == "nvfp4":
@@ -63,7 +65,8 @@ def make_config(sequences, kv_heads, tokens, loops, value_format="int4"):
         new_loops = [LoopStorage(nvfp4, nvfp4, s.sparse_rows_per_page) for s in config.loops]
         config = dataclasses.replace(config, loops=tuple(new_loops))
     if value_format == "int4_rotated":
-        keys, values = jflashloop.codec_spec.int4_rotated(HEAD_DIM, 0), jflashloop.codec_spec.int4_rotated(HEAD_DIM, 1)
+        keys = jflashloop.codec_spec.int4_rotated(head_dim, 0)
+        values = jflashloop.codec_spec.int4_rotated(head_dim, 1)
         new_loops = [LoopStorage(keys, values, s.sparse_rows_per_page) for s in config.loops]
         config = dataclasses.replace(config, loops=tuple(new_loops))
     return config
@@ -132,7 +135,7 @@ def kernel_bytes(config: CacheConfig, tokens: int, loop: int) -> int:
     packed_pages = math.ceil(packed_end / config.page_size)
     per_page = storage.page_bytes(config)
     pages = packed_pages * sum(per_page[f"loop{i + 1}"] for i in range(loop + 1))
-    windows = (config.sink_tokens + config.window_tokens) * config.num_kv_heads * HEAD_DIM * 2 * 2
+    windows = (config.sink_tokens + config.window_tokens) * config.num_kv_heads * config.head_dim * 2 * 2
     tables = packed_pages * 4
     return config.max_sequences * (pages + windows + tables)
 
@@ -163,12 +166,12 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / (ms * 1e-3) / 1e12
 
 
-def bf16_inputs(sequences, q_heads, kv_heads, tokens, seed):
+def bf16_inputs(sequences, q_heads, kv_heads, tokens, seed, head_dim=HEAD_DIM):
     key = jax.random.key(seed)
     kq, kk, kv = jax.random.split(key, 3)
-    q = jax.random.normal(kq, (sequences, q_heads, HEAD_DIM), jnp.bfloat16)
-    k = jax.random.normal(kk, (sequences, tokens, kv_heads, HEAD_DIM), jnp.bfloat16)
-    v = jax.random.normal(kv, (sequences, tokens, kv_heads, HEAD_DIM), jnp.bfloat16)
+    q = jax.random.normal(kq, (sequences, q_heads, head_dim), jnp.bfloat16)
+    k = jax.random.normal(kk, (sequences, tokens, kv_heads, head_dim), jnp.bfloat16)
+    v = jax.random.normal(kv, (sequences, tokens, kv_heads, head_dim), jnp.bfloat16)
     return q, k, v
 
 
@@ -183,17 +186,17 @@ def pallas_gqa(q, k, v):
     return decode_attention.gqa(q, k, v)
 
 
-def int8_paged_inputs(sequences, q_heads, kv_heads, tokens, seed, page_size=16):
+def int8_paged_inputs(sequences, q_heads, kv_heads, tokens, seed, page_size=16, head_dim=HEAD_DIM):
     key = jax.random.key(seed)
     k1, k2, k3, k4, k5, k6 = jax.random.split(key, 6)
     pages = sequences * tokens // page_size
-    shape = (kv_heads, pages, page_size, HEAD_DIM)
+    shape = (kv_heads, pages, page_size, head_dim)
     k_pages = jax.random.randint(k1, shape, -127, 128, jnp.int8)
     v_pages = jax.random.randint(k2, shape, -127, 128, jnp.int8)
     k_scales = jax.random.uniform(k3, shape[:3], minval=0.005, maxval=0.02)
     v_scales = jax.random.uniform(k4, shape[:3], minval=0.005, maxval=0.02)
     tables = jax.random.permutation(k5, pages).astype(jnp.int32).reshape(sequences, -1)
-    q = jax.random.normal(k6, (sequences, q_heads, HEAD_DIM), jnp.bfloat16)
+    q = jax.random.normal(k6, (sequences, q_heads, head_dim), jnp.bfloat16)
     lengths = jnp.full((sequences,), tokens, jnp.int32)
     return q, k_pages, v_pages, tables, lengths, k_scales, v_scales
 
@@ -242,20 +245,30 @@ def gluon_reads(queries, cache, loop) -> bool:
     return gluon_unsupported_reason(queries, cache, loop) is None
 
 
+COPY_TB_PER_S = [None]  # the plain-copy bandwidth of this run (main() measures it first)
+
+
 def row(name, variant, ms, bytes_read, reference_ms=None):
     bandwidth = bytes_read / (ms * 1e-3) / 1e12
     ratio = f"{reference_ms / ms:5.2f}x" if reference_ms else "     "
-    return {"shape": name, "variant": variant, "ms": ms, "tb_per_s": bandwidth, "ratio_vs_cudnn": ratio}
+    copy = COPY_TB_PER_S[0]
+    return {"shape": name, "variant": variant, "ms": ms, "tb_per_s": bandwidth, "ratio_vs_cudnn": ratio,
+            "percent_of_copy": 100 * bandwidth / copy if copy else None,
+            "times_byte_floor": ms / (bytes_read / (copy * 1e12) * 1e3) if copy else None}
 
 
 def print_row(r):
-    print(f"| {r['shape']} | {r['variant']} | {r['ms']:.3f} | {r['tb_per_s']:.2f} | {r['ratio_vs_cudnn']} |", flush=True)
+    copy = f"{r['percent_of_copy']:.0f}%" if r.get("percent_of_copy") is not None else ""
+    floor = f"{r['times_byte_floor']:.2f}x" if r.get("times_byte_floor") is not None else ""
+    print(f"| {r['shape']} | {r['variant']} | {r['ms']:.3f} | {r['tb_per_s']:.2f} | {copy} | {floor} | "
+          f"{r['ratio_vs_cudnn']} |", flush=True)
 
 
-def benchmark_shape(name, sequences, q_heads, kv_heads, tokens, args, results):
+def benchmark_shape(name, sequences, q_heads, kv_heads, tokens, head_dim, args, results):
     seed = 0
-    bf16_bytes = 2 * sequences * tokens * kv_heads * HEAD_DIM * 2
-    sets = [bf16_inputs(sequences, q_heads, kv_heads, tokens, seed + i) for i in range(copies_for(bf16_bytes))]
+    bf16_bytes = 2 * sequences * tokens * kv_heads * head_dim * 2
+    sets = [bf16_inputs(sequences, q_heads, kv_heads, tokens, seed + i, head_dim)
+            for i in range(copies_for(bf16_bytes))]
     cudnn_ms = median_ms(cudnn_attention, sets)
     results.append(row(name, "cuDNN BF16", cudnn_ms, bf16_bytes, cudnn_ms))
     print_row(results[-1])
@@ -265,8 +278,8 @@ def benchmark_shape(name, sequences, q_heads, kv_heads, tokens, args, results):
         print_row(results[-1])
     del sets
     if not args.quick:
-        int8_bytes = 2 * sequences * tokens * kv_heads * (HEAD_DIM + 4)
-        int8_sets = [int8_paged_inputs(sequences, q_heads, kv_heads, tokens, seed + i)
+        int8_bytes = 2 * sequences * tokens * kv_heads * (head_dim + 4)
+        int8_sets = [int8_paged_inputs(sequences, q_heads, kv_heads, tokens, seed + i, head_dim=head_dim)
                      for i in range(copies_for(int8_bytes))]
         try:
             int8_ms = median_ms(jax.jit(pallas_paged_int8), int8_sets)
@@ -282,10 +295,10 @@ def benchmark_shape(name, sequences, q_heads, kv_heads, tokens, args, results):
         for loops in loop_counts:
             if value_format != "int4" and loops != 1:
                 continue
-            config = make_config(sequences, kv_heads, tokens, loops, value_format)
+            config = make_config(sequences, kv_heads, tokens, loops, value_format, head_dim)
             bytes_read = kernel_bytes(config, tokens, loops - 1)
             caches = [random_cache(config, tokens, seed + i) for i in range(copies_for(bytes_read))]
-            queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, HEAD_DIM), jnp.bfloat16)
+            queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
             label = f"jflashloop {value_format.upper()} loop {loops}"
             ms = median_ms(ours(loops - 1), [(queries, c) for c in caches])
             results.append(row(name, label + " (Pallas)", ms, bytes_read, cudnn_ms))
@@ -324,11 +337,11 @@ def sweep(args):
         else:
             configs = [KernelConfig(num_warps=w, num_stages=s) for w in (1, 2, 4) for s in (2, 3, 4, 5)]
             shapes = [SHAPES[1]]
-        for name, sequences, q_heads, kv_heads, tokens in shapes:
-            config = make_config(sequences, kv_heads, tokens, loops)
+        for name, sequences, q_heads, kv_heads, tokens, head_dim in shapes:
+            config = make_config(sequences, kv_heads, tokens, loops, head_dim=head_dim)
             bytes_read = kernel_bytes(config, tokens, loops - 1)
             caches = [random_cache(config, tokens, i) for i in range(copies_for(bytes_read))]
-            queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, HEAD_DIM), jnp.bfloat16)
+            queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
             for kernel_config in configs:
                 try:
                     ms = median_ms(ours(loops - 1, kernel_config), [(queries, c) for c in caches],
@@ -377,10 +390,11 @@ def main() -> int:
         sweep(args)
         return 0
     bandwidth = copy_bandwidth()
+    COPY_TB_PER_S[0] = bandwidth
     print(f"plain copy (XLA, 2 GiB f32 read + write): {bandwidth:.2f} TB/s", flush=True)
     results = [{"shape": "copy", "variant": "XLA elementwise 2 GiB", "tb_per_s": bandwidth}]
-    print("| shape | variant | ms | TB/s read | speed-up vs cuDNN BF16 |")
-    print("|---|---|---|---|---|")
+    print("| shape | variant | ms | TB/s read | % of copy | x byte floor | speed-up vs cuDNN BF16 |")
+    print("|---|---|---|---|---|---|---|")
     shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     if args.quick:
         shapes = [SHAPES[1], SHAPES[4]]
@@ -388,10 +402,10 @@ def main() -> int:
         benchmark_shape(*shape, args, results)
     append_benchmark(results)
     if args.trace:
-        _name, sequences, q_heads, kv_heads, tokens = SHAPES[1]
-        config = make_config(sequences, kv_heads, tokens, 4)
+        _name, sequences, q_heads, kv_heads, tokens, head_dim = SHAPES[1]
+        config = make_config(sequences, kv_heads, tokens, 4, head_dim=head_dim)
         cache = random_cache(config, tokens, 0)
-        queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, HEAD_DIM), jnp.bfloat16)
+        queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
         functions = {loop: ours(loop) for loop in range(4)}
         for loop in range(4):
             jax.block_until_ready(functions[loop](queries, cache))

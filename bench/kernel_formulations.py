@@ -37,7 +37,7 @@ from jflashloop.attention import kernel_inputs
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import decode as bench
 
-SHAPES = [bench.SHAPES[1], bench.SHAPES[4], bench.SHAPES[2], bench.SHAPES[0]]
+SHAPES = [bench.SHAPES[1], bench.SHAPES[4], bench.SHAPES[2], bench.SHAPES[0], bench.SHAPES[6], bench.SHAPES[7]]
 
 
 def formulation(name, loop=0, pages_only=False):
@@ -125,10 +125,10 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.profile:
-        name, sequences, q_heads, kv_heads, tokens = SHAPES[args.shape]
-        config = bench.make_config(sequences, kv_heads, tokens, 1)
+        name, sequences, q_heads, kv_heads, tokens, head_dim = SHAPES[args.shape]
+        config = bench.make_config(sequences, kv_heads, tokens, 1, head_dim=head_dim)
         cache = bench.random_cache(config, tokens, 0)
-        queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, bench.HEAD_DIM), jnp.bfloat16)
+        queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
         for profiled in args.profile.split(","):  # one launch each: ncu --launch-count <number of names>
             jax.block_until_ready(formulation(profiled, pages_only=True)(queries, cache))
         return 0
@@ -137,9 +137,10 @@ def main() -> int:
     print("| shape | formulation | ms | TB/s on bytes read | % of copy | x cuDNN BF16 | max rel. error |")
     print("|---|---|---|---|---|---|---|")
     for index in (int(i) for i in args.shapes.split(",")):
-        name, sequences, q_heads, kv_heads, tokens = SHAPES[index]
-        bf16_bytes = 2 * sequences * tokens * kv_heads * bench.HEAD_DIM * 2
-        sets = [bench.bf16_inputs(sequences, q_heads, kv_heads, tokens, i) for i in range(bench.copies_for(bf16_bytes))]
+        name, sequences, q_heads, kv_heads, tokens, head_dim = SHAPES[index]
+        bf16_bytes = 2 * sequences * tokens * kv_heads * head_dim * 2
+        sets = [bench.bf16_inputs(sequences, q_heads, kv_heads, tokens, i, head_dim)
+                for i in range(bench.copies_for(bf16_bytes))]
         if args.device_time:
             cudnn_ms = device_ms(lambda q, k, v: bench.cudnn_attention(q, k, v), sets[0][0], [s[1:] for s in sets])
         else:
@@ -147,10 +148,10 @@ def main() -> int:
         del sets
         print(f"| {name} | cuDNN BF16 | {cudnn_ms:.3f} | {bf16_bytes / cudnn_ms / 1e9:.2f} | "
               f"{100 * bf16_bytes / cudnn_ms / 1e9 / bandwidth:.0f}% | 1.00x | |", flush=True)
-        config = bench.make_config(sequences, kv_heads, tokens, 1)
+        config = bench.make_config(sequences, kv_heads, tokens, 1, head_dim=head_dim)
         bytes_read = bench.kernel_bytes(config, tokens, 0)
         caches = [bench.random_cache(config, tokens, i) for i in range(bench.copies_for(bytes_read))]
-        queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, bench.HEAD_DIM), jnp.bfloat16)
+        queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
         expected = jflashloop.decode_attention_reference(queries, caches[0], 0, 0)
         for fname in args.names.split(","):
             variants = [(fname, False)] + ([(fname + " (pages only)", True)] if fname in ("triton", "gluon") else [])
