@@ -46,7 +46,8 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int) -> str 
 def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dict[str, Any], *,
                   page_size: int, sink_tokens: int, value_group: int, splits: int, kernel: str = "pipelined",
                   num_warps: int = 1, num_stages: int = 1, stages: int | None = None, windows=None,
-                  chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None):
+                  chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
+                  emulate: bool = False):
     """Run the Gluon page kernel.
 
     Args:
@@ -88,25 +89,40 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         arrays += [query] * 4
         scalars += [sequences, 0, 0]
         extra.update(RING=16, WINDOWS=False)
+    constants = dict(D=head_dim, PAGE=page_size, GV=value_group, SINK=sink_tokens, **extra)
+    if emulate:  # the kernel's own body on the CPU (numpy), for tests
+        return _emulated_call(kernel, (sequences, kv_heads, slots), arrays, scalars, out_shape, constants)
     return call.triton_call(
         *arrays, *scalars,
         kernel=kernel, out_shape=out_shape, grid=(sequences, kv_heads, slots),
         num_warps=num_warps, num_stages=num_stages, name=f"jflashloop_int4_pages_{splits=}",
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
-        D=head_dim, PAGE=page_size, GV=value_group, SINK=sink_tokens, **extra,
+        **constants,
     )
+
+
+def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
+    from . import emulate, gluon_decode
+
+    name = next(n for n, f in vars(gluon_decode).items() if f is kernel)
+
+    def host(*host_arrays):
+        outputs = [np.zeros(s.shape, s.dtype) for s in out_shape]
+        return tuple(emulate.run(name, grid, [np.asarray(a) for a in host_arrays], scalars, outputs, constants))
+
+    return jax.pure_callback(host, tuple(out_shape), *arrays)
 
 
 @functools.partial(jax.jit, static_argnames=("loops", "page_size", "sink_tokens", "window_loop", "scale",
                                              "splits", "pages_only", "kernel", "stages",
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
-                                             "partials_only", "maxnreg"))
+                                             "partials_only", "maxnreg", "emulate"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, loops, page_size: int, sink_tokens: int, window_loop: int,
                            scale: float, splits: int | None = None, pages_only: bool = False,
                            kernel: str = "pipelined", stages: int = 2, fused_windows: bool = True,
                            chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
-                           partials_only: bool = False, maxnreg: int | None = None):
+                           partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop.
 
     Arguments as for
@@ -125,6 +141,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       ``maxnreg``: a register cap per thread (ptxas).
     * ``pages_only`` skips the windows and ``partials_only`` returns the
       kernel's partials unmerged (benchmarks).
+    * ``emulate`` runs the Gluon kernel's own body on the CPU with numpy
+      (:mod:`jflashloop_triton_kernels.emulate`; tests, small shapes).
     """
     sequences, q_heads, head_dim = queries.shape
     kv_heads = ring_keys.shape[2]
@@ -149,7 +167,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     output, total, running_max = page_partials(
         query, block_tables, bounds, stream["keys"], stream["values"], page_size=page_size,
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
-        stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg,
+        stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     if partials_only:
         return output, total, running_max
@@ -157,7 +175,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         order = pallas_decode.pair_order(head_dim)
         w_out, w_sum, w_max = pallas_decode.window_partials(
             query[..., jnp.asarray(order)], bounds, sink_keys, sink_values, ring_keys, ring_values,
-            sink_tokens=sink_tokens, window_loop=window_loop)
+            sink_tokens=sink_tokens, window_loop=window_loop, interpret=emulate)
         w_out = w_out[..., jnp.asarray(np.argsort(order))]
         output = jnp.concatenate([output, w_out], axis=2)
         total = jnp.concatenate([total, w_sum], axis=2)

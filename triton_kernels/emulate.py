@@ -1,0 +1,254 @@
+"""Run a Gluon kernel's own Python body on the CPU with numpy (tests).
+
+Gluon kernels have no CPU interpreter. This module executes a kernel's
+source program by program, with numpy standing in for the Gluon operations
+the kernels of this package use:
+
+* layouts are ignored: they place data on threads, they do not change values;
+* ``inline_asm_elementwise`` blocks are replaced by numpy with the same
+  results and rounding (each PTX block this package uses is listed in
+  ``_ASM``; an unknown block raises);
+* ``mma_v2`` is a product of float16 operands accumulated in float32;
+* shared memory is a numpy array and ``cp.async`` a plain copy.
+
+What this checks: the kernel's indexing, masks, algebra, channel orders, and
+the bookkeeping of pages, splits and windows, exactly as written. What it
+cannot check: layouts (compile checks), races and resources (GPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from triton.experimental.gluon._runtime import GluonJITFunction
+from triton.language import core as tl_core
+from triton.runtime.jit import ConstexprFunction
+
+_DTYPES = {
+    "fp16": np.float16, "fp32": np.float32, "fp64": np.float64, "bf16": ml_dtypes.bfloat16,
+    "int1": np.bool_, "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
+    "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
+}
+
+
+def _np_dtype(dtype) -> np.dtype:
+    return np.dtype(_DTYPES[dtype.name] if isinstance(dtype, tl_core.dtype) else dtype)
+
+
+class Tensor(np.ndarray):
+    """A numpy array with the two tensor methods the kernels call (``.to``, ``.type``).
+
+    Results of numpy operations stay Tensors, 0-d ones included.
+    """
+
+    def __array_wrap__(self, array, context=None, return_scalar=False):
+        return np.asarray(array).view(Tensor)
+
+    def to(self, dtype):
+        return np.asarray(self).astype(_np_dtype(dtype)).view(Tensor)
+
+    @property
+    def type(self):
+        return types.SimpleNamespace(layout=None, shape=list(self.shape), element_ty=self.dtype)
+
+
+def _t(x) -> Tensor:
+    return np.asarray(x).view(Tensor)
+
+
+class Pointer:
+    """A pointer (or tensor of pointers): a flat numpy buffer and element offsets."""
+
+    def __init__(self, buffer: np.ndarray, offset=0):
+        self.buffer, self.offset = buffer, offset
+
+    def __add__(self, other):
+        return Pointer(self.buffer, self.offset + np.asarray(other).astype(np.int64))
+
+    __radd__ = __add__
+
+
+def _load(pointer: Pointer, mask=None, other=0, **_):
+    offset = np.asarray(pointer.offset, np.int64)
+    if mask is None:
+        return _t(pointer.buffer[offset])
+    mask = np.broadcast_to(np.asarray(mask, bool), offset.shape) if offset.ndim else np.asarray(mask, bool)
+    safe = np.where(mask, offset, 0)
+    return _t(np.where(mask, pointer.buffer[safe], np.asarray(other).astype(pointer.buffer.dtype)))
+
+
+def _store(pointer: Pointer, value, mask=None, **_):
+    offset = np.asarray(pointer.offset, np.int64)
+    value = np.broadcast_to(np.asarray(value), offset.shape).astype(pointer.buffer.dtype)
+    if mask is not None:
+        keep = np.broadcast_to(np.asarray(mask, bool), offset.shape)
+        offset, value = offset[keep], value[keep]
+    pointer.buffer[offset] = value
+
+
+class Shared:
+    """Shared memory: a numpy array; descriptors are views."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def index(self, i):
+        return Shared(self.array[int(i)])
+
+    def slice(self, start, length, dim=0):
+        index = [slice(None)] * self.array.ndim
+        index[dim] = slice(int(start), int(start) + length)
+        return Shared(self.array[tuple(index)])
+
+    def reshape(self, shape):
+        return Shared(self.array.reshape(shape))
+
+    def load(self, layout=None):
+        return _t(self.array.copy())
+
+    @property
+    def shape(self):
+        return list(self.array.shape)
+
+
+def _copy_to_shared(shared: Shared, pointer: Pointer, mask=None, **_):
+    shared.array[...] = _load(pointer, mask, 0)
+
+
+def _fp16_fma(a, b, c):
+    """float16 ``a * b + c`` with one rounding (``fma.rn.f16x2``)."""
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float16)
+
+
+def _nibbles(words) -> list[np.ndarray]:
+    words = np.asarray(words).astype(np.uint32)
+    return [((words >> np.uint32(4 * i)) & np.uint32(15)).astype(np.float16) for i in range(8)]
+
+
+def _key_codes(words):
+    return tuple(_t(c) for c in _nibbles(words))
+
+
+def _value_pairs(even, odd, s_even, s_odd, m_even, m_odd):
+    out = []
+    for e, o in zip(_nibbles(even), _nibbles(odd), strict=True):
+        out += [_t(_fp16_fma(e, s_even, m_even)), _t(_fp16_fma(o, s_odd, m_odd))]
+    return tuple(out)
+
+
+def _asm_table():
+    from . import gluon_decode
+
+    return {
+        gluon_decode._KEY_CODES_ASM.value: _key_codes,
+        gluon_decode._KEY_CODES_ASM_V2.value: _key_codes,
+        gluon_decode._VALUE_PAIR_ASM.value: _value_pairs,
+        gluon_decode._VALUE_PAIR_ASM_V2.value: _value_pairs,
+    }
+
+
+def _inline_asm(asm, constraints, args, dtype, is_pure, pack):
+    table = _asm_table()
+    if asm not in table:
+        raise NotImplementedError("no numpy equivalent for this inline PTX block")
+    args = np.broadcast_arrays(*[np.asarray(a) for a in args])
+    return table[asm](*args)
+
+
+def _mma(a, b, acc, **_):
+    product = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    return _t((np.asarray(acc, np.float64) + product).astype(np.float32))
+
+
+def _layout(*_, **__):
+    return None
+
+
+class _Program:
+    ids = (0, 0, 0)
+
+
+def _gluon_namespace():
+    g = types.SimpleNamespace()
+    for name in ("BlockedLayout", "SliceLayout", "DistributedLinearLayout", "DotOperandLayout",
+                 "NVMMADistributedLayout", "SwizzledSharedLayout", "SharedLinearLayout", "PaddedSharedLayout"):
+        setattr(g, name, _layout)
+    for name in ("float16", "float32", "float64", "bfloat16", "int1", "int8", "int16", "int32", "int64",
+                 "uint8", "uint16", "uint32", "uint64"):
+        setattr(g, name, np.dtype(_DTYPES[{"float16": "fp16", "float32": "fp32", "float64": "fp64",
+                                           "bfloat16": "bf16"}.get(name, name)]))
+    g.constexpr = lambda value: value
+    g.program_id = lambda axis: _t(np.int32(_Program.ids[axis]))
+    g.arange = lambda start, end, layout=None: _t(np.arange(start, end, dtype=np.int32))
+    g.zeros = lambda shape, dtype, layout=None: _t(np.zeros(shape, _np_dtype(dtype)))
+    g.full = lambda shape, value, dtype, layout=None: _t(np.full(shape, value, _np_dtype(dtype)))
+    g.zeros_like = lambda x: _t(np.zeros_like(x))
+    g.expand_dims = lambda x, axis: _t(np.expand_dims(x, axis))
+    g.join = lambda a, b: _t(np.stack(np.broadcast_arrays(a, b), axis=-1))
+    g.split = lambda x: (_t(x[..., 0]), _t(x[..., 1]))
+    g.reshape = lambda x, shape, can_reorder=False: _t(np.reshape(x, shape))
+    g.permute = lambda x, dims: _t(np.transpose(x, dims))
+    g.convert_layout = lambda x, layout, assert_trivial=False: x
+    g.broadcast = lambda a, b: tuple(_t(x) for x in np.broadcast_arrays(a, b))
+    g.max = lambda x, axis=None: _t(np.max(x, axis=axis))
+    g.sum = lambda x, axis=None: _t(np.sum(x, axis=axis, dtype=np.asarray(x).dtype))
+    g.maximum = lambda a, b: _t(np.maximum(a, b))
+    g.minimum = lambda a, b: _t(np.minimum(a, b))
+    g.exp2 = lambda x: _t(np.exp2(x))
+    g.where = lambda c, a, b: _t(np.where(c, a, b).astype(np.result_type(a, b)))
+    g.cdiv = lambda a, b: (a + b - 1) // b
+    g.static_range = range
+    g.load = _load
+    g.store = _store
+    g.inline_asm_elementwise = lambda asm, constraints, args, dtype, is_pure, pack: _inline_asm(
+        asm, constraints, args, dtype, is_pure, pack)
+    g.allocate_shared_memory = lambda dtype, shape, layout, value=None: Shared(np.zeros(shape, _np_dtype(dtype)))
+    return g
+
+
+def _emulated(module_globals: dict[str, Any]) -> dict[str, Any]:
+    """The module's globals with every Gluon object replaced by its numpy stand-in."""
+    shim = {}
+    for name, value in module_globals.items():
+        if isinstance(value, tl_core.constexpr):
+            value = value.value
+        shim[name] = value
+    shim["gl"] = _gluon_namespace()
+    shim["mma_v2"] = _mma
+    shim["async_copy"] = types.SimpleNamespace(
+        async_copy_global_to_shared=_copy_to_shared, commit_group=lambda: None, wait_group=lambda n=0: None)
+    for name, value in list(shim.items()):
+        if isinstance(value, GluonJITFunction):
+            shim[name] = types.FunctionType(value.fn.__code__, shim, name, value.fn.__defaults__)
+        elif isinstance(value, ConstexprFunction):
+            shim[name] = types.FunctionType(value.fn.__code__, shim, name, value.fn.__defaults__)
+    return shim
+
+
+@functools.cache
+def _kernels():
+    from . import gluon_decode
+
+    return _emulated(vars(gluon_decode))
+
+
+def run(kernel_name: str, grid: tuple[int, int, int], arrays, scalars, outputs, constants: dict[str, Any]):
+    """Run kernel ``kernel_name`` of ``gluon_decode`` over ``grid``.
+
+    ``arrays`` and ``outputs`` are numpy arrays (outputs are written in
+    place), in the kernel's argument order around ``scalars``.
+    """
+    function = _kernels()[kernel_name]
+    pointers = [Pointer(np.asarray(a).reshape(-1)) for a in arrays]
+    output_pointers = [Pointer(o.reshape(-1)) for o in outputs]
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        for a in range(grid[0]):
+            for b in range(grid[1]):
+                for c in range(grid[2]):
+                    _Program.ids = (a, b, c)
+                    function(*pointers, *[_t(np.int32(s)) for s in scalars], *output_pointers, **constants)
+    return outputs
