@@ -40,6 +40,15 @@ def test_pipelined_kernel_compiles_with_register_fragments(head_dim, page_size):
         assert resources["spill_stores"] == 0, resources
 
 
+def test_pipelined_kernel_reads_a_dense_chain():
+    compiled = compile_check.compile_pages_kernel("pipelined", streams=2)
+    ptx = compiled.asm["ptx"]
+    single = compile_check.compile_pages_kernel("pipelined", streams=1)
+    assert compiled.metadata.shared == 2 * single.metadata.shared  # both loops' pages in flight
+    assert _count(ptx, r"st\.shared") == 0
+    assert compile_check.ptxas_resources(ptx, "sm_90a")["spill_stores"] == 0
+
+
 def test_simple_kernel_uses_no_shared_memory():
     compiled = compile_check.compile_pages_kernel("simple")
     ptx = compiled.asm["ptx"]

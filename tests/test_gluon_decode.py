@@ -55,15 +55,15 @@ def one_loop_config(head_dim, page_size, value_group=64, **overrides):
     return dataclasses.replace(base, loops=(loop,))
 
 
-def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None, version=3):
+def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None, version=3, loop=0):
     from jflashloop_triton_kernels import decode_attention as gluon
 
     c = cache.config
-    inputs = kernel_inputs(cache, layer, 0, include_pending)
+    inputs = kernel_inputs(cache, layer, loop, include_pending)
     return gluon.paged_decode_attention(
         queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
         inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
-        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=0, scale=1 / math.sqrt(c.head_dim),
+        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=loop, scale=1 / math.sqrt(c.head_dim),
         splits=splits, emulate=EMULATE, **VERSIONS[version])
 
 
@@ -125,6 +125,32 @@ def test_gluon_kernel_outlier_channels_and_pending_token(rng, version):
     expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=True)
     actual = gluon_attention(queries, cache, 0, include_pending=True, version=version)
     assert (relative_errors(actual, expected) < TOLERANCE).all()
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_gluon_kernel_dense_residual_chain(rng, page_size):
+    """Loop 2 of the FlashLoop policy: the base and a dense residual, both INT4."""
+    config = small_config(num_loops=2, page_size=page_size, head_dim=64, max_pages_per_sequence=40, num_pages=128)
+    cache, _ = build(rng, config, prompt_lengths=[5 * page_size + 9, 3, 2 * page_size], steps=2)
+    queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
+    for loop in (0, 1):
+        expected = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=True)
+        actual = gluon_attention(queries, cache, 1, include_pending=True, loop=loop)
+        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+
+
+def test_gluon_kernel_reads_only_what_it_supports():
+    from jflashloop_triton_kernels.decode_attention import unsupported_reason
+
+    from jflashloop.attention import kernel_inputs_formats
+
+    chain = small_config(num_loops=4, page_size=64, head_dim=128)
+    cache = jflashloop.paged_cache.create(chain)
+    formats = kernel_inputs_formats(cache, 3)
+    assert "dense" in unsupported_reason(formats, chain.head_dim, 64, 4)
+    assert unsupported_reason(formats[:2], chain.head_dim, 64, 4) is None
+    assert "dense" in unsupported_reason(formats[:2], chain.head_dim, 64, 4, kernel="simple")
+    assert "at most 8" in unsupported_reason(formats[:1], chain.head_dim, 64, 16)
 
 
 def test_emulation_refuses_unknown_inline_ptx():

@@ -23,10 +23,13 @@ ROWS = 8
 LOG2_E = math.log2(math.e)
 
 
-def unsupported_reason(loops, head_dim: int, page_size: int, group: int) -> str | None:
+def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel: str = "pipelined") -> str | None:
     """Why the Gluon kernel cannot read these streams, or None if it can."""
-    if len(loops) != 1 or loops[0].sparse:
-        return "the Gluon kernel reads one dense loop"
+    most = 2 if kernel == "pipelined" else 1
+    if not 1 <= len(loops) <= most or any(loop.sparse for loop in loops):
+        return f"the {kernel} Gluon kernel reads chains of up to {most} dense loop(s)"
+    if any(loop != loops[0] for loop in loops):
+        return "the Gluon kernel reads chains whose loops share one format"
     keys, values = loops[0].keys, loops[0].values
     if (keys.format, keys.axis, values.format, values.axis) != ("int4", "channel", "int4", "token"):
         return "the Gluon kernel reads INT4 keys grouped per channel and INT4 values grouped per token"
@@ -44,6 +47,7 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int) -> str 
 
 
 def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dict[str, Any], *,
+                  residual: tuple[dict[str, Any], dict[str, Any]] | None = None,
                   page_size: int, sink_tokens: int, value_group: int, splits: int, kernel: str = "pipelined",
                   num_warps: int = 1, num_stages: int = 1, stages: int | None = None, windows=None,
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
@@ -56,6 +60,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
       block_tables, bounds: as for ``paged_decode_attention``.
       keys, values: one loop's stream arrays (``payload`` uint32 ``[H, pool,
         page, D/8]``, ``scale`` / ``minimum`` float16).
+      residual: loop 2's (keys, values) of a dense chain (pipelined kernel only).
     Returns:
       ``(out [S, H, splits, 8, D], sum [S, H, splits, 8], max [S, H, splits, 8])``
       float32, natural channel order.
@@ -79,7 +84,14 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
     arrays = [query, block_tables.astype(jnp.int32), bounds.astype(jnp.int32),
               keys["payload"], keys["scale"], keys["minimum"], values["payload"], values["scale"], values["minimum"]]
     scalars = [kv_heads, pool, max_pages, pages_per_split, slots]
-    extra = {} if stages is None else {"STAGES": stages, "CHUNK": chunk or page_size}
+    extra = {} if stages is None else {"STAGES": stages, "CHUNK": chunk or page_size,
+                                       "STREAMS": 1 if residual is None else 2}
+    if stages is not None:  # loop 2's stream arrays (loop 1's again, unread, for one loop)
+        keys2, values2 = residual if residual is not None else (keys, values)
+        arrays += [keys2["payload"], keys2["scale"], keys2["minimum"], values2["payload"], values2["scale"],
+                   values2["minimum"]]
+    elif residual is not None:
+        raise ValueError("only the pipelined kernel reads a residual chain")
     if windows is not None:  # (sink_keys | None, sink_values | None, ring_keys, ring_values, window_loop)
         sink_k, sink_v, ring_k, ring_v, window_loop = windows
         arrays += [ring_k if sink_k is None else sink_k, ring_v if sink_v is None else sink_v, ring_k, ring_v]
@@ -123,7 +135,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            kernel: str = "pipelined", stages: int = 2, fused_windows: bool = True,
                            chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False):
-    """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop.
+    """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
+    loop 2 of a dense INT4 chain (pipelined kernel).
 
     Arguments as for
     :func:`jflashloop_pallas_kernels.decode_attention.paged_decode_attention`;
@@ -147,7 +160,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     sequences, q_heads, head_dim = queries.shape
     kv_heads = ring_keys.shape[2]
     group = q_heads // kv_heads
-    reason = unsupported_reason(loops, head_dim, page_size, group)
+    reason = unsupported_reason(loops, head_dim, page_size, group, kernel)
     if reason:
         raise NotImplementedError(reason)
     max_pages = block_tables.shape[1]
@@ -164,8 +177,9 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     if fused_windows:
         windows = (sink_keys if sink_tokens else None, sink_values if sink_tokens else None, ring_keys, ring_values,
                    window_loop)
+    residual = (streams[1]["keys"], streams[1]["values"]) if len(loops) == 2 else None
     output, total, running_max = page_partials(
-        query, block_tables, bounds, stream["keys"], stream["values"], page_size=page_size,
+        query, block_tables, bounds, stream["keys"], stream["values"], residual=residual, page_size=page_size,
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))

@@ -477,15 +477,19 @@ def _tile_columns(x, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _issue_page(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, stage, step, count, first, seq, head,
-                table_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr, pool_pages, max_pages,
-                PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr):
-    """cp.async every array of page ``first + step`` into stage ``stage`` (nothing past ``count``)."""
-    WORDS: gl.constexpr = _copy_layout(PAGE, W, 4)
-    KMETA: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
+def _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages):
+    """(tile index of page ``first + step`` of this program's head, whether ``step < count``)."""
     live = step < count
     page = gl.maximum(gl.load(table_ptr + seq * max_pages + first + step, mask=live, other=0), 0)
-    tile = head.to(gl.int64) * pool_pages + page
+    return head.to(gl.int64) * pool_pages + page, live
+
+
+@gluon.jit
+def _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, stage, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
+                 vm_ptr, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr):
+    """cp.async every array of one stream's page tile ``tile`` into stage ``stage`` (nothing unless ``live``)."""
+    WORDS: gl.constexpr = _copy_layout(PAGE, W, 4)
+    KMETA: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
     w_rows = gl.arange(0, PAGE, layout=gl.SliceLayout(1, WORDS))
     w_cols = gl.arange(0, W, layout=gl.SliceLayout(0, WORDS))
     w_offsets = gl.expand_dims(w_rows, 1) * W + gl.expand_dims(w_cols, 0)
@@ -497,7 +501,31 @@ def _issue_page(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, stage, step, count, first, s
     async_copy.async_copy_global_to_shared(km_s.index(stage), km_ptr + tile * D + k_offsets, mask=live)
     async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * (PAGE * NG) + v_offsets, mask=live)
     async_copy.async_copy_global_to_shared(vm_s.index(stage), vm_ptr + tile * (PAGE * NG) + v_offsets, mask=live)
-    async_copy.commit_group()
+
+
+@gluon.jit
+def _stream_buffers(STAGES: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr):
+    """Shared memory of one stream: STAGES page tiles of key/value words and their metadata."""
+    kw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _plain_shared(2))
+    vw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _value_shared(PAGE, W))
+    ks_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
+    km_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
+    vs_s = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE * NG], _plain_shared(1))
+    vm_s = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE * NG], _plain_shared(1))
+    return kw_s, vw_s, ks_s, km_s, vs_s, vm_s
+
+
+@gluon.jit
+def _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D: gl.constexpr, W: gl.constexpr,
+               A_OP: gl.constexpr, B8: gl.constexpr, KM: gl.constexpr):
+    """One key stream's page terms: the query scaled by the page's channel scales (A operand, float16)
+    and ``q . min`` in every column of a ``[16, 8]`` accumulator."""
+    k_scale = _key_order_1d(ks_s.index(stage).load(KM), D, W)
+    k_min = _key_order_1d(km_s.index(stage).load(KM), D, W)
+    k_scale = gl.convert_layout(k_scale, gl.SliceLayout(0, A_OP), assert_trivial=True)
+    k_min = gl.convert_layout(k_min, gl.SliceLayout(1, B8), assert_trivial=True)
+    minimum = gl.broadcast(gl.expand_dims(k_min, 1), zeros_b8)[0]
+    return query * gl.expand_dims(k_scale, 0), mma_v2(query, minimum, zeros_c8)
 
 
 @gluon.jit
@@ -600,6 +628,7 @@ def _window_chunk(query, k_ptr, v_ptr, first, count, valid, total, run_max, acc,
 @gluon.jit
 def int4_pages_kernel_v2(
     q_ptr, table_ptr, bounds_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr,
+    kw2_ptr, ks2_ptr, km2_ptr, vw2_ptr, vs2_ptr, vm2_ptr,  # the dense residual of loop 2 (STREAMS == 2)
     sink_k_ptr,  # [window_loops, S, H, SINK, D] window dtype (any valid pointer when SINK == 0)
     sink_v_ptr,
     ring_k_ptr,  # [window_loops, S, H, RING, D] window dtype
@@ -607,11 +636,14 @@ def int4_pages_kernel_v2(
     kv_heads, pool_pages, max_pages, pages_per_split, slots, sequences, window_loop, window_split,
     out_ptr, sum_ptr, max_ptr,
     D: gl.constexpr, PAGE: gl.constexpr, GV: gl.constexpr, SINK: gl.constexpr, STAGES: gl.constexpr,
-    RING: gl.constexpr, WINDOWS: gl.constexpr, CHUNK: gl.constexpr,
+    RING: gl.constexpr, WINDOWS: gl.constexpr, CHUNK: gl.constexpr, STREAMS: gl.constexpr,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
-    the partials need no window slot."""
+    the partials need no window slot. ``STREAMS`` = 2 reads loop 2 of a dense
+    residual chain: keys and values are the sums of the two streams' tiles
+    (``q . (k1 + d2)``: two score products into one accumulator; two value
+    products with the same probabilities)."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
     MMA: gl.constexpr = _mma()
@@ -628,20 +660,22 @@ def int4_pages_kernel_v2(
     split = gl.program_id(2)
     program = (seq * kv_heads + head).to(gl.int64)
 
-    kw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _plain_shared(2))
-    vw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _value_shared(PAGE, W))
-    ks_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
-    km_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
-    vs_s = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE * NG], _plain_shared(1))
-    vm_s = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE * NG], _plain_shared(1))
+    kw_s, vw_s, ks_s, km_s, vs_s, vm_s = _stream_buffers(STAGES, PAGE, W, D, NG)
+    if STREAMS == 2:
+        kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s = _stream_buffers(STAGES, PAGE, W, D, NG)
 
     packed_end = gl.load(bounds_ptr + seq * 2 + 1)
     packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
     first = split * pages_per_split
     count = gl.minimum(gl.maximum(packed_pages - first, 0), pages_per_split)
     for s in gl.static_range(STAGES - 1):
-        _issue_page(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, s, s, count, first, seq, head, table_ptr, kw_ptr,
-                    ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr, pool_pages, max_pages, PAGE, W, D, NG)
+        tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
+        _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, s, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
+                     vm_ptr, PAGE, W, D, NG)
+        if STREAMS == 2:
+            _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, s, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
+                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG)
+        async_copy.commit_group()
 
     # The query, float16, logical key order, rows 8-15 zero: the A operand.
     q_rows = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
@@ -659,23 +693,28 @@ def int4_pages_kernel_v2(
     tokens = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, sums.type.layout))
 
     for step in range(count):
-        _issue_page(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, (step + STAGES - 1) % STAGES, step + STAGES - 1, count,
-                    first, seq, head, table_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr, pool_pages,
-                    max_pages, PAGE, W, D, NG)
+        ahead = (step + STAGES - 1) % STAGES
+        tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
+        _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, ahead, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
+                     vm_ptr, PAGE, W, D, NG)
+        if STREAMS == 2:
+            _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, ahead, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
+                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG)
+        async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         stage = step % STAGES
-        k_scale = _key_order_1d(ks_s.index(stage).load(KM), D, W)
-        k_min = _key_order_1d(km_s.index(stage).load(KM), D, W)
-        k_scale = gl.convert_layout(k_scale, gl.SliceLayout(0, A_OP), assert_trivial=True)
-        k_min = gl.convert_layout(k_min, gl.SliceLayout(1, B8), assert_trivial=True)
-        scaled = query * gl.expand_dims(k_scale, 0)
-        minimum = gl.broadcast(gl.expand_dims(k_min, 1), zeros_b8)[0]
-        offset = mma_v2(query, minimum, zeros_c8)  # [16, 8]: q . min in every column
+        scaled, offset = _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D, W, A_OP, B8, KM)
+        if STREAMS == 2:
+            scaled2, offset2 = _key_terms(query, ks2_s, km2_s, stage, zeros_b8, zeros_c8, D, W, A_OP, B8, KM)
+            offset = offset + offset2
         start = gl.convert_layout(_tile_columns(offset, CHUNK), MMA, assert_trivial=True)
         for c in gl.static_range(PAGE // CHUNK):
-            key_words = kw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW)
-            codes = _key_tile_v2(key_words, CHUNK, W, D, B_OP)
-            scores = _top_rows(mma_v2(scaled, codes, start), CHUNK)  # [8, CHUNK]
+            codes = _key_tile_v2(kw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW), CHUNK, W, D, B_OP)
+            both = mma_v2(scaled, codes, start)
+            if STREAMS == 2:
+                codes2 = _key_tile_v2(kw2_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW), CHUNK, W, D, B_OP)
+                both = mma_v2(scaled2, codes2, both)
+            scores = _top_rows(both, CHUNK)  # [8, CHUNK]
             token = (first + step) * PAGE + c * CHUNK + tokens
             valid = gl.expand_dims((token >= SINK) & (token < packed_end), 0)
             scores = gl.where(valid, scores, MASK_VALUE)
@@ -691,6 +730,13 @@ def int4_pages_kernel_v2(
                                     CHUNK, W, D, NG, A_OP)
             acc_correction = gl.convert_layout(correction, gl.SliceLayout(0, MMA))
             acc = mma_v2(values, p_t, acc * gl.expand_dims(acc_correction, 0))
+            if STREAMS == 2:
+                values2 = _value_tile_v2(
+                    vw2_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(VT),
+                    vs2_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS),
+                    vm2_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS),
+                    CHUNK, W, D, NG, A_OP)
+                acc = mma_v2(values2, p_t, acc)
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
 
