@@ -140,9 +140,8 @@ def test_gluon_kernel_dense_residual_chain(rng, page_size):
 
 
 def test_gluon_kernel_reads_only_what_it_supports():
-    from jflashloop_triton_kernels.decode_attention import unsupported_reason
-
     from jflashloop.attention import kernel_inputs_formats
+    from jflashloop_triton_kernels.decode_attention import unsupported_reason
 
     chain = small_config(num_loops=4, page_size=64, head_dim=128)
     cache = jflashloop.paged_cache.create(chain)
