@@ -45,7 +45,8 @@ VERSIONS = {1: dict(kernel="simple"), 2: dict(kernel="pipelined", fused_windows=
 
 def gpu_only(*values):
     """Parameter values that run compiled only (the emulation is slow at these sizes)."""
-    return [pytest.param(v, marks=pytest.mark.skipif(EMULATE, reason="compiled runs only")) for v in values]
+    skip = pytest.mark.skipif(EMULATE, reason="compiled runs only")
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=skip) for v in values]
 
 
 def one_loop_config(head_dim, page_size, value_group=64, **overrides):
@@ -87,12 +88,13 @@ def test_gluon_kernel_matches_reference(rng, head_dim, page_size, group, version
         assert (errors < TOLERANCE).all(), (splits, errors)
 
 
-@pytest.mark.parametrize("value_group", [16, *gpu_only(32, 128)])
-@pytest.mark.parametrize("version", [1, 2, 3])
-def test_gluon_kernel_value_groups(rng, value_group, version):
-    config = one_loop_config(128, 64, value_group=value_group)
+@pytest.mark.parametrize("head_dim, value_group, version",
+                         [(128, 16, 1), (128, 16, 2), (128, 16, 3), (256, 16, 3), (64, 16, 3),
+                          *gpu_only((128, 32, 3), (128, 128, 3), (256, 32, 1))])
+def test_gluon_kernel_value_groups(rng, head_dim, value_group, version):
+    config = one_loop_config(head_dim, 64, value_group=value_group)
     cache, _ = build(rng, config, prompt_lengths=[300, 64, 129], steps=1)
-    queries = jnp.asarray(rng.standard_normal((3, 8, 128)), jnp.float32)
+    queries = jnp.asarray(rng.standard_normal((3, 8, head_dim)), jnp.float32)
     expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=False)
     assert (relative_errors(gluon_attention(queries, cache, 0, version=version), expected) < TOLERANCE).all()
 

@@ -37,8 +37,9 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel:
         return "the Gluon kernel needs one key group per page"
     if head_dim not in (64, 128, 256):
         return f"the Gluon kernel reads head_dim 64, 128 or 256, got {head_dim}"
-    if values.group_size < head_dim // 8 or values.group_size & (values.group_size - 1):
-        return f"the Gluon kernel needs value groups of a power of two >= head_dim / 8, got {values.group_size}"
+    smallest = 16 if kernel == "pipelined" else head_dim // 8
+    if values.group_size < smallest or values.group_size & (values.group_size - 1):
+        return f"the {kernel} Gluon kernel needs value groups of a power of two >= {smallest}, got {values.group_size}"
     if not 16 <= page_size <= 128:
         return f"the Gluon kernel reads pages of 16 to 128 tokens, got {page_size}"
     if group > ROWS:

@@ -406,15 +406,22 @@ def _value_tile_layout(page: int, words: int):
 
 @gluon.constexpr_function
 def _value_meta_layout(page: int, groups: int, head_dim: int, value_group: int):
-    """``[page, NG]`` float16 value scales: thread (g, t) holds its words' group for its tokens."""
+    """``[page, NG]`` float16 value scales: thread (g, t) holds, for its tokens, the groups of its words.
+
+    The group of word ``w`` is ``w >> (log2 GV - 3)``: a word bit held in a
+    register (the low ``log2(W) - 3`` bits) or on lane bits 2-4 (the top
+    three) becomes a register or lane basis of the group index.
+    """
+    shift = _log2(value_group) - 3
+    low = _log2(head_dim // 8) - 3
+
+    def group_basis(word_bit):
+        bit = word_bit - shift
+        return [0, 1 << bit] if 0 <= bit < _log2(groups) else None
+
     regs = [[1, 0]] + [[1 << b, 0] for b in range(3, _log2(page))]
-    # Lane bits 2-4 hold word bits log2(W)-3 ..; the group of word w is 8 w // GV.
-    lanes = [[2, 0], [4, 0]]
-    words = head_dim // 8
-    for bit in range(3):
-        word_bit = _log2(words) - 3 + bit
-        group_bit = word_bit + 3 - _log2(value_group)  # 8 w // GV = w >> (log2 GV - 3)
-        lanes.append([0, 1 << group_bit] if 0 <= group_bit < _log2(groups) else [0, 0])
+    regs += [basis for basis in (group_basis(b) for b in range(low)) if basis is not None]
+    lanes = [[2, 0], [4, 0]] + [group_basis(low + bit) or [0, 0] for bit in range(3)]
     return gl.DistributedLinearLayout(regs, lanes, [], [], [page, groups])
 
 
