@@ -141,6 +141,21 @@ def test_gluon_kernel_dense_residual_chain(rng, page_size):
         assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
 
 
+@pytest.mark.parametrize("head_dim, page_size, loops", [(128, 64, 1), (64, 16, 2), *gpu_only((256, 32, 1))])
+def test_gluon_kernel_nvfp4(rng, head_dim, page_size, loops):
+    """NVFP4 keys and values (16-channel E4M3 blocks, a float32 scale per page tile)."""
+    base = small_config(num_loops=loops, head_dim=head_dim, page_size=page_size, max_pages_per_sequence=40,
+                        num_pages=128)
+    nvfp4 = jflashloop.NVFP4
+    config = dataclasses.replace(base, loops=tuple(LoopStorage(nvfp4, nvfp4) for _ in range(loops)))
+    cache, _ = build(rng, config, prompt_lengths=[4 * page_size + 5, 9, 2 * page_size], steps=2)
+    queries = jnp.asarray(rng.standard_normal((3, 8, head_dim)), jnp.float32)
+    for loop in range(loops):
+        expected = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=True)
+        actual = gluon_attention(queries, cache, 0, include_pending=True, loop=loop)
+        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+
+
 def test_gluon_kernel_reads_only_what_it_supports():
     from jflashloop.attention import kernel_inputs_formats
     from jflashloop_triton_kernels.decode_attention import unsupported_reason

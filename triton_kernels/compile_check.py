@@ -13,14 +13,14 @@ import re
 import subprocess
 import tempfile
 
-POINTERS = ["*fp32", "*i32", "*i32", "*u32", "*fp16", "*fp16", "*u32", "*fp16", "*fp16"]
+POINTERS = ["*fp32", "*i32", "*i32"]
 OUTPUTS = ["*fp32", "*fp32", "*fp32"]
 
 
 def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page_size: int = 64,
                          value_group: int = 64, sink_tokens: int = 4, ring: int = 64, stages: int = 2,
                          chunk: int | None = None, capability: int = 90, maxnreg: int | None = None,
-                         streams: int = 1):
+                         streams: int = 1, format: str = "int4"):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -30,12 +30,17 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
 
     pipelined = kernel == "pipelined"
     fn = gluon_decode.int4_pages_kernel_v2 if pipelined else gluon_decode.int4_pages_kernel
-    windows = ["*u32", "*fp16", "*fp16", "*u32", "*fp16", "*fp16"] + ["*bf16"] * 4 if pipelined else []
+    stream = ["*u32", "*fp16", "*fp16"] * 2 if format == "int4" else ["*u32", "*u8", "*fp32"] * 2
+    windows = stream + ["*bf16"] * 4 if pipelined else []
+    if not pipelined:
+        stream = ["*u32", "*fp16", "*fp16"] * 2
     scalars = ["i32"] * (8 if pipelined else 5)
     constants = {"D": head_dim, "PAGE": page_size, "GV": value_group, "SINK": sink_tokens}
     if pipelined:
         constants.update(STAGES=stages, RING=ring, WINDOWS=True, CHUNK=chunk or page_size, STREAMS=streams)
-    types = POINTERS + windows + scalars + OUTPUTS + ["constexpr"] * len(constants)
+    if pipelined:
+        constants["FORMAT"] = {"int4": 0, "nvfp4": 1}[format]
+    types = POINTERS[:3] + stream + windows + scalars + OUTPUTS + ["constexpr"] * len(constants)
     signature = dict(zip(fn.arg_names, types, strict=True))
     pointers = [i for i, t in enumerate(types) if t.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}

@@ -31,9 +31,13 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel:
     if any(loop != loops[0] for loop in loops):
         return "the Gluon kernel reads chains whose loops share one format"
     keys, values = loops[0].keys, loops[0].values
-    if (keys.format, keys.axis, values.format, values.axis) != ("int4", "channel", "int4", "token"):
-        return "the Gluon kernel reads INT4 keys grouped per channel and INT4 values grouped per token"
-    if keys.group_size != page_size:
+    formats = (keys.format, keys.axis, values.format, values.axis)
+    if formats == ("nvfp4", "token", "nvfp4", "token") and kernel == "pipelined":
+        pass  # NVFP4 keys and values, 16-channel blocks
+    elif formats != ("int4", "channel", "int4", "token"):
+        return ("the Gluon kernel reads INT4 keys grouped per channel with INT4 values grouped per token"
+                + (", or NVFP4 keys and values" if kernel == "pipelined" else ""))
+    elif keys.group_size != page_size:
         return "the Gluon kernel needs one key group per page"
     if head_dim not in (64, 128, 256):
         return f"the Gluon kernel reads head_dim 64, 128 or 256, got {head_dim}"
@@ -82,15 +86,23 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         jax.ShapeDtypeStruct((sequences, kv_heads, slots, ROWS), jnp.float32),
         jax.ShapeDtypeStruct((sequences, kv_heads, slots, ROWS), jnp.float32),
     ]
-    arrays = [query, block_tables.astype(jnp.int32), bounds.astype(jnp.int32),
-              keys["payload"], keys["scale"], keys["minimum"], values["payload"], values["scale"], values["minimum"]]
+    nvfp4 = keys["minimum"] is None
+
+    def stream_arrays(stream):  # NVFP4: E4M3 scales as bytes and the tile scales in the minimums' slots
+        if stream["minimum"] is None:
+            return [stream["payload"], jax.lax.bitcast_convert_type(stream["scale"], jnp.uint8), stream["global_scale"]]
+        return [stream["payload"], stream["scale"], stream["minimum"]]
+
+    arrays = [query, block_tables.astype(jnp.int32), bounds.astype(jnp.int32), *stream_arrays(keys),
+              *stream_arrays(values)]
     scalars = [kv_heads, pool, max_pages, pages_per_split, slots]
     extra = {} if stages is None else {"STAGES": stages, "CHUNK": chunk or page_size,
-                                       "STREAMS": 1 if residual is None else 2}
+                                       "STREAMS": 1 if residual is None else 2, "FORMAT": int(nvfp4)}
     if stages is not None:  # loop 2's stream arrays (loop 1's again, unread, for one loop)
         keys2, values2 = residual if residual is not None else (keys, values)
-        arrays += [keys2["payload"], keys2["scale"], keys2["minimum"], values2["payload"], values2["scale"],
-                   values2["minimum"]]
+        arrays += [*stream_arrays(keys2), *stream_arrays(values2)]
+    elif nvfp4:
+        raise ValueError("only the pipelined kernel reads NVFP4 streams")
     elif residual is not None:
         raise ValueError("only the pipelined kernel reads a residual chain")
     if windows is not None:  # (sink_keys | None, sink_values | None, ring_keys, ring_values, window_loop)

@@ -48,7 +48,9 @@ class Tensor(np.ndarray):
     def __array_wrap__(self, array, context=None, return_scalar=False):
         return np.asarray(array).view(Tensor)
 
-    def to(self, dtype):
+    def to(self, dtype, bitcast=False):
+        if bitcast:
+            return np.asarray(self).view(_np_dtype(dtype)).view(Tensor)
         return np.asarray(self).astype(_np_dtype(dtype)).view(Tensor)
 
     @property
@@ -140,6 +142,25 @@ def _value_pairs(even, odd, s_even, s_odd, m_even, m_odd):
     return tuple(out)
 
 
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def _e2m1(words) -> list[np.ndarray]:
+    return [_E2M1[n.astype(np.int64)] for n in _nibbles(words)]
+
+
+def _e2m1_keys(words, scale):
+    return tuple(_t((v * np.asarray(scale, np.float64)).astype(np.float16)) for v in _e2m1(words))
+
+
+def _e2m1_value_pairs(even, odd, s_even, s_odd):
+    out = []
+    for e, o in zip(_e2m1(even), _e2m1(odd), strict=True):
+        out += [_t((e * np.asarray(s_even, np.float64)).astype(np.float16)),
+                _t((o * np.asarray(s_odd, np.float64)).astype(np.float16))]
+    return tuple(out)
+
+
 def _asm_table():
     from . import gluon_decode
 
@@ -148,6 +169,8 @@ def _asm_table():
         gluon_decode._KEY_CODES_ASM_V2.value: _key_codes,
         gluon_decode._VALUE_PAIR_ASM.value: _value_pairs,
         gluon_decode._VALUE_PAIR_ASM_V2.value: _value_pairs,
+        gluon_decode._E2M1_KEY_ASM.value: _e2m1_keys,
+        gluon_decode._E2M1_VALUE_PAIR_ASM.value: _e2m1_value_pairs,
     }
 
 

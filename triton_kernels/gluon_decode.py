@@ -386,6 +386,50 @@ def _value_pair_asm_v2() -> str:
 
 _VALUE_PAIR_ASM_V2 = gl.constexpr(_value_pair_asm_v2())
 
+# NVFP4: an E2M1 nibble pair (at bits 0-3 and 16-19, sign in bit 3) placed as
+# float16 bits is the value / 2**14; x 2**14 and x the E4M3 scale are exact
+# (at most 6 significant bits, within float16's range).
+_E2M1_PAIR = """shl.b32 m, {src}, 9;
+shl.b32 s, {src}, 12;
+and.b32 s, s, 0x80008000;
+lop3.b32 a, m, 0x0E000E00, s, 0xEA;
+mul.rn.f16x2 a, a, k;
+mul.rn.f16x2 a, a, l;
+"""
+
+
+def _e2m1_key_asm() -> str:
+    """One word and its E4M3 scale (float16) -> 8 float16 values (nibble order of the key codes)."""
+    lines = ["{", ".reg .b32 a, t, m, s, k, l;", "mov.b32 k, 0x74007400;", "mov.b32 l, {$9, $9};"]
+    for pair in range(4):
+        source = "$8"
+        if pair:
+            lines.append(f"shr.u32 t, $8, {4 * pair};")
+            source = "t"
+        lines += [_E2M1_PAIR.format(src=source), f"mov.b32 {{${pair}, ${pair + 4}}}, a;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _e2m1_value_pair_asm() -> str:
+    """Two tokens' words and their E4M3 scales (float16) -> 8 float16 pairs (nibble i of each token)."""
+    lines = ["{", ".reg .b32 x, y, t, a, m, s, k, l;", "mov.b32 k, 0x74007400;", "mov.b32 l, {$18, $19};",
+             "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;"]
+    for nibble in range(8):
+        source, shift = ("x", 4 * nibble) if nibble < 4 else ("y", 4 * (nibble - 4))
+        if shift:
+            lines.append(f"shr.u32 t, {source}, {shift};")
+            source = "t"
+        lines += [_E2M1_PAIR.format(src=source), f"mov.b32 {{${2 * nibble}, ${2 * nibble + 1}}}, a;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_E2M1_KEY_ASM = gl.constexpr(_e2m1_key_asm())
+_E2M1_VALUE_PAIR_ASM = gl.constexpr(_e2m1_value_pair_asm())
+INT4 = gl.constexpr(0)
+NVFP4 = gl.constexpr(1)
+
 
 @gluon.constexpr_function
 def _copy_layout(rows: int, cols: int, itemsize: int):
@@ -493,32 +537,55 @@ def _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages):
 
 @gluon.jit
 def _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, stage, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
-                 vm_ptr, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr):
-    """cp.async every array of one stream's page tile ``tile`` into stage ``stage`` (nothing unless ``live``)."""
+                 vm_ptr, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr,
+                 FORMAT: gl.constexpr):
+    """cp.async every array of one stream's page tile ``tile`` into stage ``stage`` (nothing unless ``live``).
+
+    INT4: words, key scale/min ``[D]``, value scale/min ``[PAGE, NG]`` (float16).
+    NVFP4: words and the E4M3 scale bytes ``[PAGE, D/16]`` of keys and values
+    (the per-tile float32 scales are read when the page is used).
+    """
     WORDS: gl.constexpr = _copy_layout(PAGE, W, 4)
     KMETA: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
+    BYTES: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
     w_rows = gl.arange(0, PAGE, layout=gl.SliceLayout(1, WORDS))
     w_cols = gl.arange(0, W, layout=gl.SliceLayout(0, WORDS))
     w_offsets = gl.expand_dims(w_rows, 1) * W + gl.expand_dims(w_cols, 0)
-    k_offsets = gl.arange(0, D, layout=KMETA)
-    v_offsets = gl.arange(0, PAGE * NG, layout=KMETA)
     async_copy.async_copy_global_to_shared(kw_s.index(stage), kw_ptr + tile * (PAGE * W) + w_offsets, mask=live)
     async_copy.async_copy_global_to_shared(vw_s.index(stage), vw_ptr + tile * (PAGE * W) + w_offsets, mask=live)
-    async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * D + k_offsets, mask=live)
-    async_copy.async_copy_global_to_shared(km_s.index(stage), km_ptr + tile * D + k_offsets, mask=live)
-    async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * (PAGE * NG) + v_offsets, mask=live)
-    async_copy.async_copy_global_to_shared(vm_s.index(stage), vm_ptr + tile * (PAGE * NG) + v_offsets, mask=live)
+    if FORMAT == NVFP4:
+        b_offsets = gl.arange(0, PAGE * (D // 16), layout=BYTES)
+        async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * (PAGE * (D // 16)) + b_offsets,
+                                               mask=live)
+        async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * (PAGE * (D // 16)) + b_offsets,
+                                               mask=live)
+    else:
+        k_offsets = gl.arange(0, D, layout=KMETA)
+        v_offsets = gl.arange(0, PAGE * NG, layout=KMETA)
+        async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * D + k_offsets, mask=live)
+        async_copy.async_copy_global_to_shared(km_s.index(stage), km_ptr + tile * D + k_offsets, mask=live)
+        async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * (PAGE * NG) + v_offsets,
+                                               mask=live)
+        async_copy.async_copy_global_to_shared(vm_s.index(stage), vm_ptr + tile * (PAGE * NG) + v_offsets,
+                                               mask=live)
 
 
 @gluon.jit
-def _stream_buffers(STAGES: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr):
+def _stream_buffers(STAGES: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr,
+                    FORMAT: gl.constexpr):
     """Shared memory of one stream: STAGES page tiles of key/value words and their metadata."""
     kw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _plain_shared(2))
     vw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _value_shared(PAGE, W))
-    ks_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
-    km_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
-    vs_s = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE * NG], _plain_shared(1))
-    vm_s = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE * NG], _plain_shared(1))
+    if FORMAT == NVFP4:
+        ks_s = gl.allocate_shared_memory(gl.uint8, [STAGES, PAGE * (D // 16)], _plain_shared(1))
+        vs_s = gl.allocate_shared_memory(gl.uint8, [STAGES, PAGE * (D // 16)], _plain_shared(1))
+        km_s = ks_s  # unused: the tile scales are read from memory
+        vm_s = vs_s
+    else:
+        ks_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
+        km_s = gl.allocate_shared_memory(gl.float16, [STAGES, D], _plain_shared(1))
+        vs_s = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE * NG], _plain_shared(1))
+        vm_s = gl.allocate_shared_memory(gl.float16, [STAGES, PAGE * NG], _plain_shared(1))
     return kw_s, vw_s, ks_s, km_s, vs_s, vm_s
 
 
@@ -567,6 +634,59 @@ def _value_tile_v2(tile, scale, minimum, PAGE: gl.constexpr, W: gl.constexpr, D:
                gl.join(e4, o4), gl.join(e5, o5), gl.join(e6, o6), gl.join(e7, o7))  # [P/2, NG, W/NG, e, i0, i1, i2]
     x = gl.reshape(x, [PAGE // 2, 8, W // 8, 2, 2, 2, 2])  # (u, wt, wl, e, i0, i1, i2)
     x = gl.permute(x, [6, 5, 4, 2, 1, 0, 3])  # (i2, i1, i0, wl, wt, u, e)
+    return gl.convert_layout(gl.reshape(x, [D, PAGE]), A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _e4m3_to_float16(bits):
+    """float16 values of E4M3 bit patterns (uint8, non-negative, not NaN; exact)."""
+    bits = bits.to(gl.int32)
+    exponent = (bits >> 3) & 15
+    mantissa = bits & 7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(gl.float32, bitcast=True)
+    subnormal = mantissa.to(gl.float32) * 0.001953125  # 2**-9
+    return gl.where(exponent == 0, subnormal, normal).to(gl.float16)
+
+
+@gluon.jit
+def _nvfp4_key_tile(words, scale_bytes, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
+                    B_LAYOUT: gl.constexpr):
+    """NVFP4 key words ``[PAGE, W]`` and E4M3 scales ``[PAGE, D/16]`` -> ``e2m1 * scale`` ``[D, PAGE]``
+    (float16, exact, logical key order) in ``B_LAYOUT``."""
+    words = gl.reshape(words, [PAGE, W // 2, 2])  # a scale per two words (16 channels)
+    local = gl.convert_layout(_e4m3_to_float16(scale_bytes), gl.SliceLayout(2, words.type.layout))
+    c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+        _E2M1_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, gl.expand_dims(local, 2)],
+        dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    x = _join8(gl.reshape(c0, [PAGE, W]), gl.reshape(c1, [PAGE, W]), gl.reshape(c2, [PAGE, W]),
+               gl.reshape(c3, [PAGE, W]), gl.reshape(c4, [PAGE, W]), gl.reshape(c5, [PAGE, W]),
+               gl.reshape(c6, [PAGE, W]), gl.reshape(c7, [PAGE, W]))
+    x = gl.reshape(x, [PAGE, 2, 2, W // 4, 2, 2, 2])
+    x = gl.permute(x, [3, 5, 4, 1, 2, 6, 0])
+    return gl.convert_layout(gl.reshape(x, [D, PAGE]), B_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _nvfp4_value_tile(tile, scale_bytes, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
+                      A_LAYOUT: gl.constexpr):
+    """NVFP4 value words ``[PAGE, W]`` and E4M3 scales ``[PAGE, D/16]`` -> ``V^T [D, PAGE]``
+    (``e2m1 * scale``, float16, exact) in ``A_LAYOUT``."""
+    NG: gl.constexpr = D // 16
+    even, odd = gl.split(gl.permute(gl.reshape(tile, [PAGE // 2, 2, W]), [0, 2, 1]))
+    local = _e4m3_to_float16(scale_bytes)
+    s_even, s_odd = gl.split(gl.permute(gl.reshape(local, [PAGE // 2, 2, NG]), [0, 2, 1]))
+    even = gl.reshape(even, [PAGE // 2, NG, W // NG])
+    odd = gl.reshape(odd, [PAGE // 2, NG, W // NG])
+    S2: gl.constexpr = gl.SliceLayout(2, even.type.layout)
+    s_even = gl.expand_dims(gl.convert_layout(s_even, S2, assert_trivial=True), 2)
+    s_odd = gl.expand_dims(gl.convert_layout(s_odd, S2, assert_trivial=True), 2)
+    (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
+        _E2M1_VALUE_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h",
+        [even, odd, s_even, s_odd], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    x = _join8(gl.join(e0, o0), gl.join(e1, o1), gl.join(e2, o2), gl.join(e3, o3),
+               gl.join(e4, o4), gl.join(e5, o5), gl.join(e6, o6), gl.join(e7, o7))
+    x = gl.reshape(x, [PAGE // 2, 8, W // 8, 2, 2, 2, 2])
+    x = gl.permute(x, [6, 5, 4, 2, 1, 0, 3])
     return gl.convert_layout(gl.reshape(x, [D, PAGE]), A_LAYOUT, assert_trivial=True)
 
 
@@ -633,6 +753,52 @@ def _window_chunk(query, k_ptr, v_ptr, first, count, valid, total, run_max, acc,
 
 
 @gluon.jit
+def _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, tile, stage, zeros_b8, zeros_c8, D: gl.constexpr,
+                W: gl.constexpr, A_OP: gl.constexpr, B8: gl.constexpr, KM: gl.constexpr, FORMAT: gl.constexpr):
+    """Per-page terms of one stream: INT4 ``(scaled query, q . min)``; NVFP4 the tile's
+    float32 key and value scales (read straight from memory)."""
+    if FORMAT == NVFP4:
+        terms = (gl.load(km_ptr + tile), gl.load(vm_ptr + tile))
+    else:
+        terms = _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D, W, A_OP, B8, KM)
+    return terms
+
+
+@gluon.jit
+def _add_key_scores(scores, query, terms, kw_s, ks_s, stage, c, zero_scores, PAGE: gl.constexpr,
+                    CHUNK: gl.constexpr, W: gl.constexpr, D: gl.constexpr, B_OP: gl.constexpr, KW: gl.constexpr,
+                    FORMAT: gl.constexpr):
+    """``scores [16, CHUNK]`` plus one key stream's ``q . k`` for chunk ``c`` of the page in ``stage``."""
+    words = kw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW)
+    if FORMAT == NVFP4:
+        SB: gl.constexpr = gl.SliceLayout(2, gl.reshape(words, [CHUNK, W // 2, 2]).type.layout)
+        scale_bytes = ks_s.index(stage).reshape([PAGE, D // 16]).slice(c * CHUNK, CHUNK, 0).load(SB)
+        keys = _nvfp4_key_tile(words, scale_bytes, CHUNK, W, D, B_OP)
+        scores = scores + terms[0] * mma_v2(query, keys, zero_scores)
+    else:
+        scores = mma_v2(terms[0], _key_tile_v2(words, CHUNK, W, D, B_OP), scores)
+    return scores
+
+
+@gluon.jit
+def _add_values(acc, p_t, terms, vw_s, vs_s, vm_s, stage, c, PAGE: gl.constexpr, CHUNK: gl.constexpr,
+                W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, A_OP: gl.constexpr, VT: gl.constexpr,
+                VS: gl.constexpr, FORMAT: gl.constexpr):
+    """``acc [D, 8]`` plus one value stream's ``V^T . P^T`` for chunk ``c`` of the page in ``stage``."""
+    words = vw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(VT)
+    if FORMAT == NVFP4:
+        VB: gl.constexpr = _value_meta_layout(CHUNK, D // 16, D, 16)
+        scale_bytes = vs_s.index(stage).reshape([PAGE, D // 16]).slice(c * CHUNK, CHUNK, 0).load(VB)
+        values = _nvfp4_value_tile(words, scale_bytes, CHUNK, W, D, A_OP)
+        acc = acc + terms[1] * mma_v2(values, p_t, gl.zeros_like(acc))
+    else:
+        scale = vs_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS)
+        minimum = vm_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS)
+        acc = mma_v2(_value_tile_v2(words, scale, minimum, CHUNK, W, D, NG, A_OP), p_t, acc)
+    return acc
+
+
+@gluon.jit
 def int4_pages_kernel_v2(
     q_ptr, table_ptr, bounds_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr,
     kw2_ptr, ks2_ptr, km2_ptr, vw2_ptr, vs2_ptr, vm2_ptr,  # the dense residual of loop 2 (STREAMS == 2)
@@ -644,13 +810,18 @@ def int4_pages_kernel_v2(
     out_ptr, sum_ptr, max_ptr,
     D: gl.constexpr, PAGE: gl.constexpr, GV: gl.constexpr, SINK: gl.constexpr, STAGES: gl.constexpr,
     RING: gl.constexpr, WINDOWS: gl.constexpr, CHUNK: gl.constexpr, STREAMS: gl.constexpr,
+    FORMAT: gl.constexpr = 0,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
     the partials need no window slot. ``STREAMS`` = 2 reads loop 2 of a dense
     residual chain: keys and values are the sums of the two streams' tiles
     (``q . (k1 + d2)``: two score products into one accumulator; two value
-    products with the same probabilities)."""
+    products with the same probabilities). ``FORMAT`` = ``NVFP4`` reads NVFP4
+    streams (the pointer slots of the key/value scale take the E4M3 bytes
+    ``[H, pool, PAGE, D/16]`` and those of the minimums the float32 tile
+    scales ``[H, pool]``; keys are decoded to ``e2m1 * scale`` (exact in
+    float16) and the tile scale multiplies each product)."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
     MMA: gl.constexpr = _mma()
@@ -667,9 +838,9 @@ def int4_pages_kernel_v2(
     split = gl.program_id(2)
     program = (seq * kv_heads + head).to(gl.int64)
 
-    kw_s, vw_s, ks_s, km_s, vs_s, vm_s = _stream_buffers(STAGES, PAGE, W, D, NG)
+    kw_s, vw_s, ks_s, km_s, vs_s, vm_s = _stream_buffers(STAGES, PAGE, W, D, NG, FORMAT)
     if STREAMS == 2:
-        kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s = _stream_buffers(STAGES, PAGE, W, D, NG)
+        kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s = _stream_buffers(STAGES, PAGE, W, D, NG, FORMAT)
 
     packed_end = gl.load(bounds_ptr + seq * 2 + 1)
     packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
@@ -678,10 +849,10 @@ def int4_pages_kernel_v2(
     for s in gl.static_range(STAGES - 1):
         tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
         _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, s, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
-                     vm_ptr, PAGE, W, D, NG)
+                     vm_ptr, PAGE, W, D, NG, FORMAT)
         if STREAMS == 2:
             _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, s, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
-                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG)
+                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
         async_copy.commit_group()
 
     # The query, float16, logical key order, rows 8-15 zero: the A operand.
@@ -703,24 +874,32 @@ def int4_pages_kernel_v2(
         ahead = (step + STAGES - 1) % STAGES
         tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
         _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, ahead, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
-                     vm_ptr, PAGE, W, D, NG)
+                     vm_ptr, PAGE, W, D, NG, FORMAT)
         if STREAMS == 2:
             _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, ahead, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
-                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG)
+                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
         async_copy.commit_group()
+        current, _live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
+        terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D, W,
+                            A_OP, B8, KM, FORMAT)
+        if STREAMS == 2:
+            terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, step % STAGES, zeros_b8, zeros_c8,
+                                 D, W, A_OP, B8, KM, FORMAT)
         async_copy.wait_group(STAGES - 1)
         stage = step % STAGES
-        scaled, offset = _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D, W, A_OP, B8, KM)
-        if STREAMS == 2:
-            scaled2, offset2 = _key_terms(query, ks2_s, km2_s, stage, zeros_b8, zeros_c8, D, W, A_OP, B8, KM)
-            offset = offset + offset2
-        start = gl.convert_layout(_tile_columns(offset, CHUNK), MMA, assert_trivial=True)
-        for c in gl.static_range(PAGE // CHUNK):
-            codes = _key_tile_v2(kw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW), CHUNK, W, D, B_OP)
-            both = mma_v2(scaled, codes, start)
+        if FORMAT == INT4:  # the streams' q . min start the score accumulator
+            offset = terms[1]
             if STREAMS == 2:
-                codes2 = _key_tile_v2(kw2_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW), CHUNK, W, D, B_OP)
-                both = mma_v2(scaled2, codes2, both)
+                offset = offset + terms2[1]
+            start = gl.convert_layout(_tile_columns(offset, CHUNK), MMA, assert_trivial=True)
+        else:
+            start = zero_scores
+        for c in gl.static_range(PAGE // CHUNK):
+            both = _add_key_scores(start, query, terms, kw_s, ks_s, stage, c, zero_scores, PAGE, CHUNK, W, D, B_OP,
+                                   KW, FORMAT)
+            if STREAMS == 2:
+                both = _add_key_scores(both, query, terms2, kw2_s, ks2_s, stage, c, zero_scores, PAGE, CHUNK, W, D,
+                                       B_OP, KW, FORMAT)
             scores = _top_rows(both, CHUNK)  # [8, CHUNK]
             token = (first + step) * PAGE + c * CHUNK + tokens
             valid = gl.expand_dims((token >= SINK) & (token < packed_end), 0)
@@ -731,19 +910,13 @@ def int4_pages_kernel_v2(
             sums = sums * gl.expand_dims(correction, 1) + weights
             run_max = new_max
             p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-            values = _value_tile_v2(vw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(VT),
-                                    vs_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS),
-                                    vm_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS),
-                                    CHUNK, W, D, NG, A_OP)
             acc_correction = gl.convert_layout(correction, gl.SliceLayout(0, MMA))
-            acc = mma_v2(values, p_t, acc * gl.expand_dims(acc_correction, 0))
+            acc = acc * gl.expand_dims(acc_correction, 0)
+            acc = _add_values(acc, p_t, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP, VT, VS,
+                              FORMAT)
             if STREAMS == 2:
-                values2 = _value_tile_v2(
-                    vw2_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(VT),
-                    vs2_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS),
-                    vm2_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS),
-                    CHUNK, W, D, NG, A_OP)
-                acc = mma_v2(values2, p_t, acc)
+                acc = _add_values(acc, p_t, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP, VT,
+                                  VS, FORMAT)
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
 
