@@ -880,13 +880,20 @@ def int4_pages_kernel_v2(
                          vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
         async_copy.commit_group()
         current, _live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
-        terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D, W,
-                            A_OP, B8, KM, FORMAT)
-        if STREAMS == 2:
-            terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, step % STAGES, zeros_b8, zeros_c8,
-                                 D, W, A_OP, B8, KM, FORMAT)
-        async_copy.wait_group(STAGES - 1)
+        if FORMAT == NVFP4:  # the tile scales come from global memory: load them before waiting
+            terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D,
+                                W, A_OP, B8, KM, FORMAT)
+            if STREAMS == 2:
+                terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, step % STAGES, zeros_b8,
+                                     zeros_c8, D, W, A_OP, B8, KM, FORMAT)
+        async_copy.wait_group(STAGES - 1)  # this page's copies have landed in shared memory
         stage = step % STAGES
+        if FORMAT == INT4:  # the key metadata is in shared memory: read it after waiting
+            terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, stage, zeros_b8, zeros_c8, D, W,
+                                A_OP, B8, KM, FORMAT)
+            if STREAMS == 2:
+                terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, stage, zeros_b8, zeros_c8, D,
+                                     W, A_OP, B8, KM, FORMAT)
         if FORMAT == INT4:  # the streams' q . min start the score accumulator
             offset = terms[1]
             if STREAMS == 2:
