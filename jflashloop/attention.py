@@ -195,6 +195,20 @@ def gluon_unsupported_reason(queries, cache: PagedKVCache, loop: int) -> str | N
     return unsupported_reason(loops, c.head_dim, c.page_size, queries.shape[1] // c.num_kv_heads)
 
 
+def gluon_is_default(queries, cache: PagedKVCache, loop: int) -> bool:
+    """Whether the automatic choice on a GPU is the Gluon kernel.
+
+    Where it reads the cache and was measured faster than the Pallas kernel:
+    one INT4 loop (``bench/RESULTS.md``). It also reads NVFP4 streams and
+    two-loop dense chains (tested on the GPU, not yet timed): there it runs
+    only when asked for (``implementation="gluon"``).
+    """
+    if gluon_unsupported_reason(queries, cache, loop) is not None:
+        return False
+    first = cache.config.loops[0]
+    return loop == 0 and first.key_spec.format == "int4" and first.value_spec.format == "int4"
+
+
 def kernel_inputs_formats(cache: PagedKVCache, loop: int):
     """The static stream formats of loops ``0..loop`` (kernel descriptors)."""
     from jflashloop_pallas_kernels.decode_attention import LoopFormat, StreamFormat
@@ -246,11 +260,12 @@ def decode_attention(
     Args:
       queries: ``[max_sequences, q_heads, head_dim]``.
       cache, layer, loop, include_pending, scale: as for the reference.
-      implementation: ``None`` (on a GPU the Gluon kernel where it reads the
-        streams and ``jax_triton`` is installed, else the Pallas kernel; the
-        reference path elsewhere), ``"gluon"`` (the Gluon kernel: one dense
-        INT4 loop, GPU only), ``"pallas"`` (the Pallas kernel; interpret mode
-        off GPU, slow, for tests), or ``"xla"`` (the reference path).
+      implementation: ``None`` (on a GPU the Gluon kernel for one INT4 loop
+        when ``jax_triton`` is installed, else the Pallas kernel; the reference
+        path elsewhere; see :func:`gluon_is_default`), ``"gluon"`` (the Gluon
+        kernel: INT4 or NVFP4, one loop or a two-loop dense chain; GPU only),
+        ``"pallas"`` (the Pallas kernel; interpret mode off GPU, slow, for
+        tests), or ``"xla"`` (the reference path).
       kernel_config: ``jflashloop_pallas_kernels.decode_attention.KernelConfig``
         (block sizes, splits, warps); None uses the measured defaults. The
         Gluon kernel takes its ``num_splits`` and ``target_programs`` only.
@@ -275,7 +290,7 @@ def decode_attention(
     if automatic:
         implementation = "xla"
         if jax.default_backend() == "gpu":
-            implementation = "gluon" if gluon_unsupported_reason(queries, cache, loop) is None else "pallas"
+            implementation = "gluon" if gluon_is_default(queries, cache, loop) else "pallas"
     if implementation == "gluon":
         reason = gluon_unsupported_reason(queries, cache, loop)
         if reason:

@@ -199,9 +199,9 @@ def test_public_dispatch_picks_the_backend(rng):
     auto = jflashloop.decode_attention(queries, cache, 0, 0)
     chosen = "xla"
     if ON_GPU:
-        from jflashloop.attention import gluon_unsupported_reason
+        from jflashloop.attention import gluon_is_default
 
-        chosen = "gluon" if gluon_unsupported_reason(queries, cache, 0) is None else "pallas"
+        chosen = "gluon" if gluon_is_default(queries, cache, 0) else "pallas"
     explicit = jflashloop.decode_attention(queries, cache, 0, 0, implementation=chosen)
     assert_bits_equal(auto, explicit, "auto dispatch")
     with pytest.raises(ValueError, match="implementation"):
