@@ -177,6 +177,41 @@ def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: b
     )
 
 
+def rotated_inputs(queries, cache: PagedKVCache, loop: int, inputs: dict):
+    """Queries and windows in the streams' basis for a fused kernel.
+
+    Returns ``(queries, windows, window_loop, value_seed)``: with rotated key
+    streams the queries are rotated (``q . k = (Rq) . (Rk)``) and so are this
+    loop's windows (then passed alone, ``window_loop`` 0); ``value_seed`` is
+    what :func:`unrotated_output` needs.
+    """
+    key_seed, value_seed = kernel_rotations(cache, loop)
+    windows = {name: inputs[name] for name in ("sink_keys", "sink_values", "ring_keys", "ring_values")}
+    window_loop = inputs["window_loop"]
+    if key_seed is not None or value_seed is not None:  # rotate this loop's windows into the streams' basis
+        from .rotated_codecs import rotate
+
+        window_loop = 0
+        for name, seed in (("sink_keys", key_seed), ("ring_keys", key_seed),
+                           ("sink_values", value_seed), ("ring_values", value_seed)):
+            array = windows[name]
+            if array is not None:
+                array = array[loop:loop + 1]
+                windows[name] = rotate(array.astype(jnp.float32), seed) if seed is not None else array
+    if key_seed is not None:
+        queries = rotate(queries.astype(jnp.float32), key_seed)
+    return queries, windows, window_loop, value_seed
+
+
+def unrotated_output(output, value_seed):
+    """The kernel's output back in the natural basis: ``sum_t p_t R v_t = R (sum_t p_t v_t)``."""
+    if value_seed is None:
+        return output
+    from .rotated_codecs import unrotate
+
+    return unrotate(output, value_seed)
+
+
 def gluon_unsupported_reason(queries, cache: PagedKVCache, loop: int) -> str | None:
     """Why the Gluon kernel cannot serve this call, or None (it needs a GPU and ``jax_triton``)."""
     if jax.default_backend() != "gpu":
@@ -191,6 +226,10 @@ def gluon_unsupported_reason(queries, cache: PagedKVCache, loop: int) -> str | N
     c = cache.config
     if queries.ndim != 3 or queries.shape[1] % c.num_kv_heads:
         return "queries must be [max_sequences, q_heads, head_dim]"
+    try:
+        kernel_rotations(cache, loop)
+    except NotImplementedError as error:
+        return str(error)
     loops = kernel_inputs_formats(cache, loop)
     return unsupported_reason(loops, c.head_dim, c.page_size, queries.shape[1] // c.num_kv_heads)
 
@@ -231,14 +270,15 @@ def _gluon_decode_attention(queries, cache, layer, loop, *, include_pending, sca
     _check_arguments(queries, cache, layer, loop)
     scale = 1.0 / math.sqrt(c.head_dim) if scale is None else float(scale)
     inputs = kernel_inputs(cache, layer, loop, include_pending)
+    queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs)
     options = {}
     if kernel_config is not None:
         options = dict(splits=kernel_config.num_splits, target_programs=kernel_config.target_programs)
-    return paged_decode_attention(
-        queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
-        inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
-        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=inputs["window_loop"], scale=scale,
-        **options)
+    output = paged_decode_attention(
+        queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], windows["sink_keys"],
+        windows["sink_values"], windows["ring_keys"], windows["ring_values"], loops=inputs["loops"],
+        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=window_loop, scale=scale, **options)
+    return unrotated_output(output, value_seed)
 
 
 def decode_attention(
@@ -315,21 +355,7 @@ def decode_attention(
     head_dim = queries.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     inputs = kernel_inputs(cache, layer, loop, include_pending)
-    key_seed, value_seed = kernel_rotations(cache, loop)
-    windows = {name: inputs[name] for name in ("sink_keys", "sink_values", "ring_keys", "ring_values")}
-    window_loop = inputs["window_loop"]
-    if key_seed is not None or value_seed is not None:  # rotate this loop's windows into the streams' basis
-        from .rotated_codecs import rotate
-
-        window_loop = 0
-        for name, seed in (("sink_keys", key_seed), ("ring_keys", key_seed),
-                           ("sink_values", value_seed), ("ring_values", value_seed)):
-            array = windows[name]
-            if array is not None:
-                array = array[loop:loop + 1]
-                windows[name] = rotate(array.astype(jnp.float32), seed) if seed is not None else array
-    if key_seed is not None:  # q . k = (Rq) . (Rk)
-        queries = rotate(queries.astype(jnp.float32), key_seed)
+    queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs)
     output = paged_decode_attention(
         queries,
         inputs["block_tables"],
@@ -348,8 +374,4 @@ def decode_attention(
         interpret=jax.default_backend() != "gpu",
         poison=poison_for_tests,
     )
-    if value_seed is not None:  # sum_t p_t R v_t = R (sum_t p_t v_t)
-        from .rotated_codecs import unrotate
-
-        output = unrotate(output, value_seed)
-    return output
+    return unrotated_output(output, value_seed)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jflashloop
-from jflashloop.attention import kernel_inputs
+from jflashloop.attention import kernel_inputs, rotated_inputs, unrotated_output
 from jflashloop.cache_config import LoopStorage
 from tests.test_paged_cache import build, small_config
 
@@ -61,11 +61,13 @@ def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None
 
     c = cache.config
     inputs = kernel_inputs(cache, layer, loop, include_pending)
-    return gluon.paged_decode_attention(
-        queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
-        inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
-        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=loop, scale=1 / math.sqrt(c.head_dim),
-        splits=splits, emulate=EMULATE, **VERSIONS[version])
+    queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs)
+    output = gluon.paged_decode_attention(
+        queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], windows["sink_keys"],
+        windows["sink_values"], windows["ring_keys"], windows["ring_values"], loops=inputs["loops"],
+        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=window_loop,
+        scale=1 / math.sqrt(c.head_dim), splits=splits, emulate=EMULATE, **VERSIONS[version])
+    return unrotated_output(output, value_seed)
 
 
 def relative_errors(actual, expected):
@@ -156,8 +158,21 @@ def test_gluon_kernel_nvfp4(rng, head_dim, page_size, loops):
         assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
 
 
+@pytest.mark.parametrize("head_dim, loops", [(128, 1), (64, 2)])
+def test_gluon_kernel_int4_rotated(rng, head_dim, loops):
+    """vLLM-style rotated INT4 (queries and windows rotated outside, the output unrotated)."""
+    base = small_config(num_loops=loops, head_dim=head_dim, page_size=32, max_pages_per_sequence=40, num_pages=128)
+    keys, values = jflashloop.int4_rotated(head_dim, 3), jflashloop.int4_rotated(head_dim, 4)
+    config = dataclasses.replace(base, loops=tuple(LoopStorage(keys, values) for _ in range(loops)))
+    cache, _ = build(rng, config, prompt_lengths=[5 * 32 + 7, 12, 64], steps=2)
+    queries = jnp.asarray(rng.standard_normal((3, 8, head_dim)), jnp.float32)
+    for loop in range(loops):
+        expected = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=True)
+        actual = gluon_attention(queries, cache, 0, include_pending=True, loop=loop)
+        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+
+
 def test_gluon_kernel_reads_only_what_it_supports():
-    from jflashloop.attention import kernel_inputs_formats
     from jflashloop_triton_kernels.decode_attention import unsupported_reason
 
     chain = small_config(num_loops=4, page_size=64, head_dim=128)

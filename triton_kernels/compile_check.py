@@ -30,7 +30,8 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
 
     pipelined = kernel == "pipelined"
     fn = gluon_decode.int4_pages_kernel_v2 if pipelined else gluon_decode.int4_pages_kernel
-    stream = ["*u32", "*fp16", "*fp16"] * 2 if format == "int4" else ["*u32", "*u8", "*fp32"] * 2
+    stream = {"int4": ["*u32", "*fp16", "*fp16"], "nvfp4": ["*u32", "*u8", "*fp32"],
+              "int4_rotated": ["*u32", "*fp32", "*fp32"]}[format] * 2
     windows = stream + ["*bf16"] * 4 if pipelined else []
     if not pipelined:
         stream = ["*u32", "*fp16", "*fp16"] * 2
@@ -39,7 +40,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     if pipelined:
         constants.update(STAGES=stages, RING=ring, WINDOWS=True, CHUNK=chunk or page_size, STREAMS=streams)
     if pipelined:
-        constants["FORMAT"] = {"int4": 0, "nvfp4": 1}[format]
+        constants["FORMAT"] = {"int4": 0, "nvfp4": 1, "int4_rotated": 2}[format]
     types = POINTERS[:3] + stream + windows + scalars + OUTPUTS + ["constexpr"] * len(constants)
     signature = dict(zip(fn.arg_names, types, strict=True))
     pointers = [i for i, t in enumerate(types) if t.startswith("*")]

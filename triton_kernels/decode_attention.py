@@ -34,15 +34,17 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel:
     formats = (keys.format, keys.axis, values.format, values.axis)
     if formats == ("nvfp4", "token", "nvfp4", "token") and kernel == "pipelined":
         pass  # NVFP4 keys and values, 16-channel blocks
+    elif formats == ("int4_rotated", "token", "int4_rotated", "token") and kernel == "pipelined":
+        pass  # per-token scales with the zero point in their low mantissa bits (the caller rotates)
     elif formats != ("int4", "channel", "int4", "token"):
         return ("the Gluon kernel reads INT4 keys grouped per channel with INT4 values grouped per token"
-                + (", or NVFP4 keys and values" if kernel == "pipelined" else ""))
+                + (", or NVFP4 or int4_rotated keys and values" if kernel == "pipelined" else ""))
     elif keys.group_size != page_size:
         return "the Gluon kernel needs one key group per page"
     if head_dim not in (64, 128, 256):
         return f"the Gluon kernel reads head_dim 64, 128 or 256, got {head_dim}"
     smallest = 16 if kernel == "pipelined" else head_dim // 8
-    if values.group_size < smallest or values.group_size & (values.group_size - 1):
+    if values.format == "int4" and (values.group_size < smallest or values.group_size & (values.group_size - 1)):
         return f"the {kernel} Gluon kernel needs value groups of a power of two >= {smallest}, got {values.group_size}"
     if not 16 <= page_size <= 128:
         return f"the Gluon kernel reads pages of 16 to 128 tokens, got {page_size}"
@@ -86,23 +88,25 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         jax.ShapeDtypeStruct((sequences, kv_heads, slots, ROWS), jnp.float32),
         jax.ShapeDtypeStruct((sequences, kv_heads, slots, ROWS), jnp.float32),
     ]
-    nvfp4 = keys["minimum"] is None
+    stream_format = 0 if keys["minimum"] is not None else (1 if keys["global_scale"] is not None else 2)
 
-    def stream_arrays(stream):  # NVFP4: E4M3 scales as bytes and the tile scales in the minimums' slots
-        if stream["minimum"] is None:
+    def stream_arrays(stream):
+        if stream["global_scale"] is not None:  # NVFP4: E4M3 scales as bytes, the tile scales for the minimums
             return [stream["payload"], jax.lax.bitcast_convert_type(stream["scale"], jnp.uint8), stream["global_scale"]]
+        if stream["minimum"] is None:  # int4_rotated: the per-token scales (twice; the second slot is unread)
+            return [stream["payload"], stream["scale"], stream["scale"]]
         return [stream["payload"], stream["scale"], stream["minimum"]]
 
     arrays = [query, block_tables.astype(jnp.int32), bounds.astype(jnp.int32), *stream_arrays(keys),
               *stream_arrays(values)]
     scalars = [kv_heads, pool, max_pages, pages_per_split, slots]
     extra = {} if stages is None else {"STAGES": stages, "CHUNK": chunk or page_size,
-                                       "STREAMS": 1 if residual is None else 2, "FORMAT": int(nvfp4)}
+                                       "STREAMS": 1 if residual is None else 2, "FORMAT": stream_format}
     if stages is not None:  # loop 2's stream arrays (loop 1's again, unread, for one loop)
         keys2, values2 = residual if residual is not None else (keys, values)
         arrays += [*stream_arrays(keys2), *stream_arrays(values2)]
-    elif nvfp4:
-        raise ValueError("only the pipelined kernel reads NVFP4 streams")
+    elif stream_format:
+        raise ValueError("only the pipelined kernel reads NVFP4 and int4_rotated streams")
     elif residual is not None:
         raise ValueError("only the pipelined kernel reads a residual chain")
     if windows is not None:  # (sink_keys | None, sink_values | None, ring_keys, ring_values, window_loop)

@@ -161,10 +161,24 @@ def _e2m1_value_pairs(even, odd, s_even, s_odd):
     return tuple(out)
 
 
+def _rotated_keys(words, low, high):  # (1024 + zp, -64 - zp): codes - zp
+    return tuple(_t(c - (np.asarray(low, np.float64) - 1024).astype(np.float16)) for c in _nibbles(words))
+
+
+def _rotated_value_pairs(even, odd, low_even, low_odd, high_even, high_odd):
+    out = []
+    for e, o in zip(_nibbles(even), _nibbles(odd), strict=True):
+        out += [_t(e - (np.asarray(low_even) - 1024).astype(np.float16)),
+                _t(o - (np.asarray(low_odd) - 1024).astype(np.float16))]
+    return tuple(out)
+
+
 def _asm_table():
     from . import gluon_decode
 
     return {
+        gluon_decode._ROTATED_KEY_ASM.value: _rotated_keys,
+        gluon_decode._ROTATED_VALUE_PAIR_ASM.value: _rotated_value_pairs,
         gluon_decode._KEY_CODES_ASM.value: _key_codes,
         gluon_decode._KEY_CODES_ASM_V2.value: _key_codes,
         gluon_decode._VALUE_PAIR_ASM.value: _value_pairs,

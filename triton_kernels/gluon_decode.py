@@ -429,6 +429,53 @@ _E2M1_KEY_ASM = gl.constexpr(_e2m1_key_asm())
 _E2M1_VALUE_PAIR_ASM = gl.constexpr(_e2m1_value_pair_asm())
 INT4 = gl.constexpr(0)
 NVFP4 = gl.constexpr(1)
+ROTATED = gl.constexpr(2)  # int4_rotated: per-token float32 scale, zero point in its 4 low mantissa bits
+
+# int4_rotated keys: a word and its token's (1024 + zp, -64 - zp) -> 8 float16 ``code - zp`` (exact).
+_ROTATED_KEY_ASM = gl.constexpr("""{
+.reg .b32 a, b, c, d, t, k, s, o;
+mov.b32 k, {$9, $9};
+mov.b32 s, 0x2C002C00;
+mov.b32 o, {$10, $10};
+lop3.b32 a, $8, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 b, $8, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 t, $8, 8;
+lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 a, a, k;
+fma.rn.f16x2 b, b, s, o;
+sub.f16x2 c, c, k;
+fma.rn.f16x2 d, d, s, o;
+mov.b32 {$0, $4}, a;
+mov.b32 {$1, $5}, b;
+mov.b32 {$2, $6}, c;
+mov.b32 {$3, $7}, d;
+}""")
+
+
+def _rotated_value_pair_asm() -> str:
+    """Two tokens' words and their (1024 + zp, -64 - zp) -> 8 float16 pairs ``code - zp`` (exact)."""
+    lines = [
+        "{", ".reg .b32 x, y, t, a, k, e, o;", "mov.b32 k, {$18, $19};", "mov.b32 e, 0x2C002C00;",
+        "mov.b32 o, {$20, $21};", "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;",
+    ]
+    for nibble in range(8):
+        source = "x" if nibble < 4 else "y"
+        local = nibble % 4
+        if local == 2:
+            lines.append(f"shr.u32 t, {source}, 8;")
+        if local >= 2:
+            source = "t"
+        if local % 2 == 0:
+            lines += [f"lop3.b32 a, {source}, 0x000F000F, 0x64006400, 0xEA;", "sub.f16x2 a, a, k;"]
+        else:
+            lines += [f"lop3.b32 a, {source}, 0x00F000F0, 0x64006400, 0xEA;", "fma.rn.f16x2 a, a, e, o;"]
+        lines.append(f"mov.b32 {{${2 * nibble}, ${2 * nibble + 1}}}, a;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_ROTATED_VALUE_PAIR_ASM = gl.constexpr(_rotated_value_pair_asm())
 
 
 @gluon.constexpr_function
@@ -553,7 +600,11 @@ def _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, stage, tile, live, kw_ptr, 
     w_offsets = gl.expand_dims(w_rows, 1) * W + gl.expand_dims(w_cols, 0)
     async_copy.async_copy_global_to_shared(kw_s.index(stage), kw_ptr + tile * (PAGE * W) + w_offsets, mask=live)
     async_copy.async_copy_global_to_shared(vw_s.index(stage), vw_ptr + tile * (PAGE * W) + w_offsets, mask=live)
-    if FORMAT == NVFP4:
+    if FORMAT == ROTATED:
+        r_offsets = gl.arange(0, PAGE, layout=gl.BlockedLayout([4], [32], [1], [0]))
+        async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * PAGE + r_offsets, mask=live)
+        async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * PAGE + r_offsets, mask=live)
+    elif FORMAT == NVFP4:
         b_offsets = gl.arange(0, PAGE * (D // 16), layout=BYTES)
         async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * (PAGE * (D // 16)) + b_offsets,
                                                mask=live)
@@ -576,7 +627,12 @@ def _stream_buffers(STAGES: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr, D
     """Shared memory of one stream: STAGES page tiles of key/value words and their metadata."""
     kw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _plain_shared(2))
     vw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, PAGE, W], _value_shared(PAGE, W))
-    if FORMAT == NVFP4:
+    if FORMAT == ROTATED:
+        ks_s = gl.allocate_shared_memory(gl.float32, [STAGES, PAGE], _plain_shared(1))
+        vs_s = gl.allocate_shared_memory(gl.float32, [STAGES, PAGE], _plain_shared(1))
+        km_s = ks_s  # unused: no minimums
+        vm_s = vs_s
+    elif FORMAT == NVFP4:
         ks_s = gl.allocate_shared_memory(gl.uint8, [STAGES, PAGE * (D // 16)], _plain_shared(1))
         vs_s = gl.allocate_shared_memory(gl.uint8, [STAGES, PAGE * (D // 16)], _plain_shared(1))
         km_s = ks_s  # unused: the tile scales are read from memory
@@ -753,14 +809,42 @@ def _window_chunk(query, k_ptr, v_ptr, first, count, valid, total, run_max, acc,
 
 
 @gluon.jit
+def _zero_point(scale):
+    """float32 zero points in the 4 low mantissa bits of int4_rotated scales (float32)."""
+    return (scale.to(gl.uint32, bitcast=True) & 15).to(gl.float32)
+
+
+@gluon.jit
+def _planes_to_key_tile(c0, c1, c2, c3, c4, c5, c6, c7, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
+                        B_LAYOUT: gl.constexpr):
+    """8 planes ``[PAGE, W]`` (nibble ``i`` of every key word) -> ``[D, PAGE]`` logical key order."""
+    x = gl.reshape(_join8(c0, c1, c2, c3, c4, c5, c6, c7), [PAGE, 2, 2, W // 4, 2, 2, 2])
+    x = gl.permute(x, [3, 5, 4, 1, 2, 6, 0])
+    return gl.convert_layout(gl.reshape(x, [D, PAGE]), B_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7, PAGE: gl.constexpr,
+                         W: gl.constexpr, D: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """16 planes (nibble ``i`` of the even / odd token of each pair) -> ``V^T [D, PAGE]``."""
+    x = _join8(gl.join(e0, o0), gl.join(e1, o1), gl.join(e2, o2), gl.join(e3, o3),
+               gl.join(e4, o4), gl.join(e5, o5), gl.join(e6, o6), gl.join(e7, o7))
+    x = gl.reshape(x, [PAGE // 2, 8, W // 8, 2, 2, 2, 2])  # (u, wt, wl, e, i0, i1, i2)
+    x = gl.permute(x, [6, 5, 4, 2, 1, 0, 3])  # (i2, i1, i0, wl, wt, u, e)
+    return gl.convert_layout(gl.reshape(x, [D, PAGE]), A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
 def _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, tile, stage, zeros_b8, zeros_c8, D: gl.constexpr,
                 W: gl.constexpr, A_OP: gl.constexpr, B8: gl.constexpr, KM: gl.constexpr, FORMAT: gl.constexpr):
     """Per-page terms of one stream: INT4 ``(scaled query, q . min)``; NVFP4 the tile's
     float32 key and value scales (read straight from memory)."""
     if FORMAT == NVFP4:
         terms = (gl.load(km_ptr + tile), gl.load(vm_ptr + tile))
-    else:
+    elif FORMAT == INT4:
         terms = _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D, W, A_OP, B8, KM)
+    else:  # ROTATED: the scales are per token, read with the tiles
+        terms = (0.0, 0.0)
     return terms
 
 
@@ -770,7 +854,17 @@ def _add_key_scores(scores, query, terms, kw_s, ks_s, stage, c, zero_scores, PAG
                     FORMAT: gl.constexpr):
     """``scores [16, CHUNK]`` plus one key stream's ``q . k`` for chunk ``c`` of the page in ``stage``."""
     words = kw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW)
-    if FORMAT == NVFP4:
+    if FORMAT == ROTATED:
+        row_scale = ks_s.index(stage).slice(c * CHUNK, CHUNK, 0)
+        zp = _zero_point(row_scale.load(gl.SliceLayout(1, KW)))
+        (c0, c1, c2, c3, c4, c5, c6, c7) = gl.inline_asm_elementwise(
+            _ROTATED_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+            [words, gl.expand_dims((zp + 1024.0).to(gl.float16), 1), gl.expand_dims((-64.0 - zp).to(gl.float16), 1)],
+            dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        keys = _planes_to_key_tile(c0, c1, c2, c3, c4, c5, c6, c7, CHUNK, W, D, B_OP)
+        column_scale = row_scale.load(gl.SliceLayout(0, zero_scores.type.layout))
+        scores = scores + mma_v2(query, keys, zero_scores) * gl.expand_dims(column_scale, 0)
+    elif FORMAT == NVFP4:
         SB: gl.constexpr = gl.SliceLayout(2, gl.reshape(words, [CHUNK, W // 2, 2]).type.layout)
         scale_bytes = ks_s.index(stage).reshape([PAGE, D // 16]).slice(c * CHUNK, CHUNK, 0).load(SB)
         keys = _nvfp4_key_tile(words, scale_bytes, CHUNK, W, D, B_OP)
@@ -781,12 +875,30 @@ def _add_key_scores(scores, query, terms, kw_s, ks_s, stage, c, zero_scores, PAG
 
 
 @gluon.jit
-def _add_values(acc, p_t, terms, vw_s, vs_s, vm_s, stage, c, PAGE: gl.constexpr, CHUNK: gl.constexpr,
-                W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, A_OP: gl.constexpr, VT: gl.constexpr,
-                VS: gl.constexpr, FORMAT: gl.constexpr):
-    """``acc [D, 8]`` plus one value stream's ``V^T . P^T`` for chunk ``c`` of the page in ``stage``."""
+def _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE: gl.constexpr, CHUNK: gl.constexpr,
+                W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
+                VT: gl.constexpr, VS: gl.constexpr, FORMAT: gl.constexpr):
+    """``acc [D, 8]`` plus one value stream's ``V^T . P^T`` for chunk ``c`` of the page in ``stage``
+    (``p_t``: the probabilities as the B operand; ``weights``: the same, float32 ``[8, CHUNK]``)."""
     words = vw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(VT)
-    if FORMAT == NVFP4:
+    if FORMAT == ROTATED:  # codes - zp enter the product; the per-token scale multiplies the probabilities
+        row_scale = vs_s.index(stage).slice(c * CHUNK, CHUNK, 0)
+        scaled = weights * gl.expand_dims(row_scale.load(gl.SliceLayout(0, weights.type.layout)), 0)
+        p_scaled = gl.convert_layout(gl.permute(scaled.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+        even, odd = gl.split(gl.permute(gl.reshape(words, [CHUNK // 2, 2, W]), [0, 2, 1]))
+        VE: gl.constexpr = gl.SliceLayout(1, even.type.layout)
+        zp_even, zp_odd = gl.split(gl.reshape(_zero_point(row_scale.load(gl.SliceLayout(1, VT))), [CHUNK // 2, 2]))
+        zp_even = gl.expand_dims(gl.convert_layout(zp_even, VE), 1)
+        zp_odd = gl.expand_dims(gl.convert_layout(zp_odd, VE), 1)
+        (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
+            _ROTATED_VALUE_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h,h,h",
+            [even, odd, (zp_even + 1024.0).to(gl.float16), (zp_odd + 1024.0).to(gl.float16),
+             (-64.0 - zp_even).to(gl.float16), (-64.0 - zp_odd).to(gl.float16)],
+            dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+        values = _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7,
+                                      CHUNK, W, D, A_OP)
+        acc = mma_v2(values, p_scaled, acc)
+    elif FORMAT == NVFP4:
         VB: gl.constexpr = _value_meta_layout(CHUNK, D // 16, D, 16)
         scale_bytes = vs_s.index(stage).reshape([PAGE, D // 16]).slice(c * CHUNK, CHUNK, 0).load(VB)
         values = _nvfp4_value_tile(words, scale_bytes, CHUNK, W, D, A_OP)
@@ -888,6 +1000,9 @@ def int4_pages_kernel_v2(
                                      zeros_c8, D, W, A_OP, B8, KM, FORMAT)
         async_copy.wait_group(STAGES - 1)  # this page's copies have landed in shared memory
         stage = step % STAGES
+        if FORMAT == ROTATED:
+            terms = (0.0, 0.0)
+            terms2 = (0.0, 0.0)
         if FORMAT == INT4:  # the key metadata is in shared memory: read it after waiting
             terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, stage, zeros_b8, zeros_c8, D, W,
                                 A_OP, B8, KM, FORMAT)
@@ -919,11 +1034,11 @@ def int4_pages_kernel_v2(
             p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
             acc_correction = gl.convert_layout(correction, gl.SliceLayout(0, MMA))
             acc = acc * gl.expand_dims(acc_correction, 0)
-            acc = _add_values(acc, p_t, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP, VT, VS,
-                              FORMAT)
+            acc = _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP,
+                              B_OP, VT, VS, FORMAT)
             if STREAMS == 2:
-                acc = _add_values(acc, p_t, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP, VT,
-                                  VS, FORMAT)
+                acc = _add_values(acc, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK, W, D, NG,
+                                  A_OP, B_OP, VT, VS, FORMAT)
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
 
