@@ -18,7 +18,12 @@ import numpy as np
 import pytest
 
 import jflashloop
-from jflashloop.attention import kernel_inputs, kernel_inputs_formats, rotated_inputs, unrotated_output
+from jflashloop.attention import (
+    kernel_inputs,
+    kernel_inputs_formats,
+    rotated_inputs,
+    unrotated_output,
+)
 from jflashloop.cache_config import LoopStorage
 from tests.test_paged_cache import build, small_config
 
