@@ -49,6 +49,20 @@ def test_pipelined_kernel_reads_a_dense_chain():
     assert compile_check.ptxas_resources(ptx, "sm_90a")["spill_stores"] == 0
 
 
+def test_pipelined_kernel_reads_the_full_flashloop_chain():
+    compiled = compile_check.compile_pages_kernel("pipelined", streams=2, sparse=(16, 7))
+    ptx = compiled.asm["ptx"]
+    assert _count(ptx, r"st\.shared") == 0
+    assert _count(ptx, r"wgmma") == 0
+    assert compile_check.ptxas_resources(ptx, "sm_90a")["registers"] <= 255
+
+
+@pytest.mark.parametrize("format", ["nvfp4", "int4_rotated"])
+def test_pipelined_kernel_compiles_for_other_formats(format):
+    ptx = compile_check.compile_pages_kernel("pipelined", format=format).asm["ptx"]
+    assert _count(ptx, r"mma\.sync\.aligned\.m16n8k16") > 0 and _count(ptx, r"st\.shared") == 0
+
+
 def test_simple_kernel_uses_no_shared_memory():
     compiled = compile_check.compile_pages_kernel("simple")
     ptx = compiled.asm["ptx"]

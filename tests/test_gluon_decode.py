@@ -177,14 +177,27 @@ def test_gluon_kernel_int4_rotated(rng, head_dim, loops):
         assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
 
 
+@pytest.mark.parametrize("page_size", [64, *gpu_only(16)])
+def test_gluon_kernel_full_flashloop_chain(rng, page_size):
+    """Loops 3 and 4 of the FlashLoop policy: sparse residual rows (25% and 10% of each page)."""
+    config = small_config(num_loops=4, page_size=page_size, head_dim=64, max_pages_per_sequence=40, num_pages=128)
+    cache, _ = build(rng, config, prompt_lengths=[5 * page_size + 9, 3, 2 * page_size], steps=2)
+    queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
+    for loop in (2, 3):
+        expected = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=True)
+        actual = gluon_attention(queries, cache, 1, include_pending=True, loop=loop)
+        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+
+
 def test_gluon_kernel_reads_only_what_it_supports():
     from jflashloop_triton_kernels.decode_attention import unsupported_reason
 
     chain = small_config(num_loops=4, page_size=64, head_dim=128)
     cache = jflashloop.paged_cache.create(chain)
     formats = kernel_inputs_formats(cache, 3)
-    assert "dense" in unsupported_reason(formats, chain.head_dim, 64, 4)
+    assert unsupported_reason(formats, chain.head_dim, 64, 4) is None
     assert unsupported_reason(formats[:2], chain.head_dim, 64, 4) is None
+    assert "after two dense" in unsupported_reason(formats[:1] + formats[2:3], chain.head_dim, 64, 4)
     assert "dense" in unsupported_reason(formats[:2], chain.head_dim, 64, 4, kernel="simple")
     assert "at most 8" in unsupported_reason(formats[:1], chain.head_dim, 64, 16)
 

@@ -20,7 +20,7 @@ OUTPUTS = ["*fp32", "*fp32", "*fp32"]
 def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page_size: int = 64,
                          value_group: int = 64, sink_tokens: int = 4, ring: int = 64, stages: int = 2,
                          chunk: int | None = None, capability: int = 90, maxnreg: int | None = None,
-                         streams: int = 1, format: str = "int4"):
+                         streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = ()):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -32,7 +32,8 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     fn = gluon_decode.int4_pages_kernel_v2 if pipelined else gluon_decode.int4_pages_kernel
     stream = {"int4": ["*u32", "*fp16", "*fp16"], "nvfp4": ["*u32", "*u8", "*fp32"],
               "int4_rotated": ["*u32", "*fp32", "*fp32"]}[format] * 2
-    windows = stream + ["*bf16"] * 4 if pipelined else []
+    sparse_stream = ["*u32", "*fp16", "*fp16", "*u32", "*fp16", "*fp16", "*i8"]
+    windows = stream + sparse_stream * 2 + ["*bf16"] * 4 if pipelined else []
     if not pipelined:
         stream = ["*u32", "*fp16", "*fp16"] * 2
     scalars = ["i32"] * (8 if pipelined else 5)
@@ -41,6 +42,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
         constants.update(STAGES=stages, RING=ring, WINDOWS=True, CHUNK=chunk or page_size, STREAMS=streams)
     if pipelined:
         constants["FORMAT"] = {"int4": 0, "nvfp4": 1, "int4_rotated": 2}[format]
+        constants.update(SPARSE=len(sparse), R3=sparse[0] if sparse else 16, R4=sparse[1] if len(sparse) > 1 else 16)
     types = POINTERS[:3] + stream + windows + scalars + OUTPUTS + ["constexpr"] * len(constants)
     signature = dict(zip(fn.arg_names, types, strict=True))
     pointers = [i for i, t in enumerate(types) if t.startswith("*")]

@@ -25,12 +25,24 @@ LOG2_E = math.log2(math.e)
 
 def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel: str = "pipelined") -> str | None:
     """Why the Gluon kernel cannot read these streams, or None if it can."""
+    dense = [loop for loop in loops if not loop.sparse]
+    sparse = loops[len(dense):]
     most = 2 if kernel == "pipelined" else 1
-    if not 1 <= len(loops) <= most or any(loop.sparse for loop in loops):
+    if not 1 <= len(dense) <= most or any(loop.sparse for loop in loops[:len(dense)]):
         return f"the {kernel} Gluon kernel reads chains of up to {most} dense loop(s)"
-    if any(loop != loops[0] for loop in loops):
+    if any(loop != loops[0] for loop in dense):
         return "the Gluon kernel reads chains whose loops share one format"
     keys, values = loops[0].keys, loops[0].values
+    if sparse:
+        if kernel != "pipelined" or len(dense) != 2 or len(sparse) > 2:
+            return "the pipelined Gluon kernel reads sparse loops 3-4 after two dense loops"
+        row_spec = ("int4", "token", values.group_size)
+        for loop in sparse:
+            if ((loop.keys.format, loop.keys.axis, loop.keys.group_size) != row_spec
+                    or (loop.values.format, loop.values.axis, loop.values.group_size) != row_spec):
+                return "the Gluon kernel reads sparse loops of INT4 rows grouped like the dense values"
+            if loop.keys.rows > page_size:
+                return "sparse rows exceed the page"
     formats = (keys.format, keys.axis, values.format, values.axis)
     if formats == ("nvfp4", "token", "nvfp4", "token") and kernel == "pipelined":
         pass  # NVFP4 keys and values, 16-channel blocks
@@ -55,6 +67,7 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel:
 
 def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dict[str, Any], *,
                   residual: tuple[dict[str, Any], dict[str, Any]] | None = None,
+                  sparse: tuple[dict[str, Any], ...] = (), sparse_rows: tuple[int, ...] = (),
                   page_size: int, sink_tokens: int, value_group: int, splits: int, kernel: str = "pipelined",
                   num_warps: int = 1, num_stages: int = 1, stages: int | None = None, windows=None,
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
@@ -68,6 +81,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
       keys, values: one loop's stream arrays (``payload`` uint32 ``[H, pool,
         page, D/8]``, ``scale`` / ``minimum`` float16).
       residual: loop 2's (keys, values) of a dense chain (pipelined kernel only).
+      sparse, sparse_rows: loops 3-4 of a FlashLoop chain (their stream dicts,
+        with ``row_positions``) and their stored rows per tile.
     Returns:
       ``(out [S, H, splits, 8, D], sum [S, H, splits, 8], max [S, H, splits, 8])``
       float32, natural channel order.
@@ -105,6 +120,15 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
     if stages is not None:  # loop 2's stream arrays (loop 1's again, unread, for one loop)
         keys2, values2 = residual if residual is not None else (keys, values)
         arrays += [*stream_arrays(keys2), *stream_arrays(values2)]
+        for index in range(2):  # sparse loops 3 and 4 (loop 1's arrays, unread, where absent)
+            if index < len(sparse):
+                s = sparse[index]
+                arrays += [s["keys"]["payload"], s["keys"]["scale"], s["keys"]["minimum"], s["values"]["payload"],
+                           s["values"]["scale"], s["values"]["minimum"], s["row_positions"]]
+            else:
+                arrays += [*stream_arrays(keys), *stream_arrays(values), block_tables]
+        extra.update(SPARSE=len(sparse), R3=sparse_rows[0] if sparse else 16,
+                     R4=sparse_rows[1] if len(sparse) > 1 else 16)
     elif stream_format:
         raise ValueError("only the pipelined kernel reads NVFP4 and int4_rotated streams")
     elif residual is not None:
@@ -194,9 +218,12 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     if fused_windows:
         windows = (sink_keys if sink_tokens else None, sink_values if sink_tokens else None, ring_keys, ring_values,
                    window_loop)
-    residual = (streams[1]["keys"], streams[1]["values"]) if len(loops) == 2 else None
+    residual = (streams[1]["keys"], streams[1]["values"]) if len(loops) >= 2 else None
+    sparse = tuple(streams[i] for i in range(2, len(loops)))
+    sparse_rows = tuple(loops[i].keys.rows for i in range(2, len(loops)))
     output, total, running_max = page_partials(
-        query, block_tables, bounds, stream["keys"], stream["values"], residual=residual, page_size=page_size,
+        query, block_tables, bounds, stream["keys"], stream["values"], residual=residual, sparse=sparse,
+        sparse_rows=sparse_rows, page_size=page_size,
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))

@@ -173,10 +173,15 @@ def _rotated_value_pairs(even, odd, low_even, low_odd, high_even, high_odd):
     return tuple(out)
 
 
+def _row_keys(words, scale, minimum):  # token-axis INT4 rows: code * scale + min, one rounding
+    return tuple(_t(_fp16_fma(c, scale, minimum)) for c in _nibbles(words))
+
+
 def _asm_table():
     from . import gluon_decode
 
     return {
+        gluon_decode._ROW_KEY_ASM.value: _row_keys,
         gluon_decode._ROTATED_KEY_ASM.value: _rotated_keys,
         gluon_decode._ROTATED_VALUE_PAIR_ASM.value: _rotated_value_pairs,
         gluon_decode._KEY_CODES_ASM.value: _key_codes,

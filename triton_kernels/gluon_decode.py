@@ -477,6 +477,33 @@ def _rotated_value_pair_asm() -> str:
 
 _ROTATED_VALUE_PAIR_ASM = gl.constexpr(_rotated_value_pair_asm())
 
+# Token-axis INT4 key rows (sparse residuals): a word and its row's (scale, min) -> 8 dequantized float16.
+_ROW_KEY_ASM = gl.constexpr("""{
+.reg .b32 a, b, c, d, t, k, e, o, s, m;
+mov.b32 k, 0x64006400;
+mov.b32 e, 0x2C002C00;
+mov.b32 o, 0xD400D400;
+mov.b32 s, {$9, $9};
+mov.b32 m, {$10, $10};
+lop3.b32 a, $8, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 b, $8, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 t, $8, 8;
+lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 a, a, k;
+fma.rn.f16x2 b, b, e, o;
+sub.f16x2 c, c, k;
+fma.rn.f16x2 d, d, e, o;
+fma.rn.f16x2 a, a, s, m;
+fma.rn.f16x2 b, b, s, m;
+fma.rn.f16x2 c, c, s, m;
+fma.rn.f16x2 d, d, s, m;
+mov.b32 {$0, $4}, a;
+mov.b32 {$1, $5}, b;
+mov.b32 {$2, $6}, c;
+mov.b32 {$3, $7}, d;
+}""")
+
 
 @gluon.constexpr_function
 def _copy_layout(rows: int, cols: int, itemsize: int):
@@ -552,6 +579,12 @@ def _value_shared(page: int, words: int):
         token_bases = [[1, 0], [2, 8], [4, 16]]
     token_bases = token_bases[:lp] + [[1 << b, 0] for b in range(3, lp)]
     return gl.SharedLinearLayout(word_bases + token_bases)
+
+
+@gluon.constexpr_function
+def _padded_sparse_rows(rows: int) -> int:
+    """Rows of a sparse tile as the kernel holds them: a power of two >= 16 (the products' k)."""
+    return max(16, 1 << (rows - 1).bit_length())
 
 
 @gluon.constexpr_function
@@ -835,6 +868,87 @@ def _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6,
 
 
 @gluon.jit
+def _sparse_buffers(STAGES: gl.constexpr, RP: gl.constexpr, W: gl.constexpr):
+    """Shared memory of a sparse stream: STAGES tiles of ``RP`` (padded) key and value rows."""
+    kw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, RP, W], _plain_shared(2))
+    vw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, RP, W], _value_shared(RP, W))
+    return kw_s, vw_s
+
+
+@gluon.jit
+def _copy_sparse(kw_s, vw_s, stage, tile, live, kw_ptr, vw_ptr, R: gl.constexpr, RP: gl.constexpr,
+                 W: gl.constexpr):
+    """cp.async the ``R`` stored key and value rows of a sparse tile (rows ``R .. RP`` zero-filled)."""
+    WORDS: gl.constexpr = _copy_layout(RP, W, 4)
+    rows = gl.arange(0, RP, layout=gl.SliceLayout(1, WORDS))
+    offsets = gl.expand_dims(rows, 1) * W + gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(0, WORDS)), 0)
+    mask = live & gl.expand_dims(rows < R, 1)
+    async_copy.async_copy_global_to_shared(kw_s.index(stage), kw_ptr + tile * (R * W) + offsets, mask=mask)
+    async_copy.async_copy_global_to_shared(vw_s.index(stage), vw_ptr + tile * (R * W) + offsets, mask=mask)
+
+
+@gluon.jit
+def _sparse_meta(tile, ks_ptr, km_ptr, vs_ptr, vm_ptr, pos_ptr, R: gl.constexpr, RP: gl.constexpr,
+                 NG: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, POS: gl.constexpr):
+    """A sparse tile's row metadata, read straight from memory: key and value (scale, min)
+    ``[RP, NG]`` (0 past ``R``) and the rows' token positions ``[RP]`` (-1 past ``R``)."""
+    k_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, KS))
+    k_offsets = gl.expand_dims(k_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, KS)), 0)
+    k_mask = gl.expand_dims(k_rows < R, 1)
+    v_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, VS))
+    v_offsets = gl.expand_dims(v_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, VS)), 0)
+    v_mask = gl.expand_dims(v_rows < R, 1)
+    p_rows = gl.arange(0, RP, layout=POS)
+    base = tile * (R * NG)
+    return (gl.load(ks_ptr + base + k_offsets, mask=k_mask, other=0.0),
+            gl.load(km_ptr + base + k_offsets, mask=k_mask, other=0.0),
+            gl.load(vs_ptr + base + v_offsets, mask=v_mask, other=0.0),
+            gl.load(vm_ptr + base + v_offsets, mask=v_mask, other=0.0),
+            gl.load(pos_ptr + tile * R + p_rows, mask=p_rows < R, other=-1).to(gl.int32))
+
+
+@gluon.jit
+def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CHUNK: gl.constexpr,
+                       W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, MMA: gl.constexpr,
+                       A_OP: gl.constexpr, B_OP: gl.constexpr, KWR: gl.constexpr):
+    """``scores [16, CHUNK]`` plus a sparse key stream's residual scores at its rows' tokens:
+    ``q . d`` for every stored row (one product), scattered to the chunk's tokens by a one-hot product."""
+    scale, minimum, positions = meta[0], meta[1], meta[4]
+    words = gl.reshape(kw_s.index(stage).load(KWR), [RP, NG, W // NG])
+    S2: gl.constexpr = gl.SliceLayout(2, words.type.layout)
+    (c0, c1, c2, c3, c4, c5, c6, c7) = gl.inline_asm_elementwise(
+        _ROW_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+        [words, gl.expand_dims(gl.convert_layout(scale, S2), 2), gl.expand_dims(gl.convert_layout(minimum, S2), 2)],
+        dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    keys = _planes_to_key_tile(gl.reshape(c0, [RP, W]), gl.reshape(c1, [RP, W]), gl.reshape(c2, [RP, W]),
+                               gl.reshape(c3, [RP, W]), gl.reshape(c4, [RP, W]), gl.reshape(c5, [RP, W]),
+                               gl.reshape(c6, [RP, W]), gl.reshape(c7, [RP, W]), RP, W, D, B_OP)
+    rows = mma_v2(query, keys, gl.zeros([16, RP], gl.float32, layout=MMA))  # [16, RP]
+    rows = gl.convert_layout(rows.to(gl.float16), A_OP, assert_trivial=True)
+    token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, B_OP))
+    here = gl.convert_layout(positions, gl.SliceLayout(1, B_OP))
+    one_hot = (gl.expand_dims(here, 1) == gl.expand_dims(token, 0)).to(gl.float16)  # [RP, CHUNK]
+    return mma_v2(rows, one_hot, scores)
+
+
+@gluon.jit
+def _add_sparse_values(acc, weights, vw_s, stage, meta, c, RP: gl.constexpr, CHUNK: gl.constexpr,
+                       W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, MMA: gl.constexpr,
+                       A_OP: gl.constexpr, B_OP: gl.constexpr, VTR: gl.constexpr):
+    """``acc [D, 8]`` plus a sparse value stream's residual rows weighted by their tokens'
+    probabilities (gathered by a one-hot product)."""
+    scale, minimum, positions = meta[2], meta[3], meta[4]
+    probabilities = _pad_rows(weights.to(gl.float16), CHUNK, A_OP)  # [16, CHUNK]
+    token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, B_OP))
+    here = gl.convert_layout(positions, gl.SliceLayout(0, B_OP))
+    one_hot = (gl.expand_dims(token, 1) == gl.expand_dims(here, 0)).to(gl.float16)  # [CHUNK, RP]
+    gathered = _top_rows(mma_v2(probabilities, one_hot, gl.zeros([16, RP], gl.float32, layout=MMA)), RP)
+    p_rows = gl.convert_layout(gl.permute(gathered.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)  # [RP, 8]
+    values = _value_tile_v2(vw_s.index(stage).load(VTR), scale, minimum, RP, W, D, NG, A_OP)
+    return mma_v2(values, p_rows, acc)
+
+
+@gluon.jit
 def _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, tile, stage, zeros_b8, zeros_c8, D: gl.constexpr,
                 W: gl.constexpr, A_OP: gl.constexpr, B8: gl.constexpr, KM: gl.constexpr, FORMAT: gl.constexpr):
     """Per-page terms of one stream: INT4 ``(scaled query, q . min)``; NVFP4 the tile's
@@ -914,6 +1028,8 @@ def _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE: gl.c
 def int4_pages_kernel_v2(
     q_ptr, table_ptr, bounds_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr,
     kw2_ptr, ks2_ptr, km2_ptr, vw2_ptr, vs2_ptr, vm2_ptr,  # the dense residual of loop 2 (STREAMS == 2)
+    kw3_ptr, ks3_ptr, km3_ptr, vw3_ptr, vs3_ptr, vm3_ptr, pos3_ptr,  # sparse loop 3 (SPARSE >= 1)
+    kw4_ptr, ks4_ptr, km4_ptr, vw4_ptr, vs4_ptr, vm4_ptr, pos4_ptr,  # sparse loop 4 (SPARSE == 2)
     sink_k_ptr,  # [window_loops, S, H, SINK, D] window dtype (any valid pointer when SINK == 0)
     sink_v_ptr,
     ring_k_ptr,  # [window_loops, S, H, RING, D] window dtype
@@ -922,7 +1038,7 @@ def int4_pages_kernel_v2(
     out_ptr, sum_ptr, max_ptr,
     D: gl.constexpr, PAGE: gl.constexpr, GV: gl.constexpr, SINK: gl.constexpr, STAGES: gl.constexpr,
     RING: gl.constexpr, WINDOWS: gl.constexpr, CHUNK: gl.constexpr, STREAMS: gl.constexpr,
-    FORMAT: gl.constexpr = 0,
+    FORMAT: gl.constexpr = 0, SPARSE: gl.constexpr = 0, R3: gl.constexpr = 16, R4: gl.constexpr = 16,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -933,7 +1049,10 @@ def int4_pages_kernel_v2(
     streams (the pointer slots of the key/value scale take the E4M3 bytes
     ``[H, pool, PAGE, D/16]`` and those of the minimums the float32 tile
     scales ``[H, pool]``; keys are decoded to ``e2m1 * scale`` (exact in
-    float16) and the tile scale multiplies each product)."""
+    float16) and the tile scale multiplies each product). ``SPARSE`` = 1 or 2
+    adds loops 3 (and 4) of a FlashLoop chain after two dense INT4 loops:
+    compact token-axis INT4 residual rows (``R3``, ``R4`` per tile) at the
+    tokens their positions name (int8 ``[H, pool, R]``)."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
     MMA: gl.constexpr = _mma()
@@ -953,6 +1072,23 @@ def int4_pages_kernel_v2(
     kw_s, vw_s, ks_s, km_s, vs_s, vm_s = _stream_buffers(STAGES, PAGE, W, D, NG, FORMAT)
     if STREAMS == 2:
         kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s = _stream_buffers(STAGES, PAGE, W, D, NG, FORMAT)
+    RP3: gl.constexpr = _padded_sparse_rows(R3)
+    RP4: gl.constexpr = _padded_sparse_rows(R4)
+    if SPARSE >= 1:
+        kw3_s, vw3_s = _sparse_buffers(STAGES, RP3, W)
+        KW3: gl.constexpr = _key_words_layout(RP3, W)
+        VT3: gl.constexpr = _value_tile_layout(RP3, W)
+        KS3: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP3, W], gl.uint32, layout=KW3),
+                                                         [RP3, NG, W // NG]).type.layout)
+        VS3: gl.constexpr = _value_meta_layout(RP3, NG, D, GV)
+    if SPARSE >= 2:
+        kw4_s, vw4_s = _sparse_buffers(STAGES, RP4, W)
+        KW4: gl.constexpr = _key_words_layout(RP4, W)
+        VT4: gl.constexpr = _value_tile_layout(RP4, W)
+        KS4: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP4, W], gl.uint32, layout=KW4),
+                                                         [RP4, NG, W // NG]).type.layout)
+        VS4: gl.constexpr = _value_meta_layout(RP4, NG, D, GV)
+    POS: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
 
     packed_end = gl.load(bounds_ptr + seq * 2 + 1)
     packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
@@ -965,6 +1101,10 @@ def int4_pages_kernel_v2(
         if STREAMS == 2:
             _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, s, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
                          vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
+        if SPARSE >= 1:
+            _copy_sparse(kw3_s, vw3_s, s, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
+        if SPARSE >= 2:
+            _copy_sparse(kw4_s, vw4_s, s, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
         async_copy.commit_group()
 
     # The query, float16, logical key order, rows 8-15 zero: the A operand.
@@ -990,8 +1130,16 @@ def int4_pages_kernel_v2(
         if STREAMS == 2:
             _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, ahead, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
                          vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
+        if SPARSE >= 1:
+            _copy_sparse(kw3_s, vw3_s, ahead, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
+        if SPARSE >= 2:
+            _copy_sparse(kw4_s, vw4_s, ahead, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
         async_copy.commit_group()
         current, _live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
+        if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
+            meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, POS)
+        if SPARSE >= 2:
+            meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, POS)
         if FORMAT == NVFP4:  # the tile scales come from global memory: load them before waiting
             terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D,
                                 W, A_OP, B8, KM, FORMAT)
@@ -1022,6 +1170,12 @@ def int4_pages_kernel_v2(
             if STREAMS == 2:
                 both = _add_key_scores(both, query, terms2, kw2_s, ks2_s, stage, c, zero_scores, PAGE, CHUNK, W, D,
                                        B_OP, KW, FORMAT)
+            if SPARSE >= 1:
+                both = _add_sparse_scores(both, query, kw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
+                                          B_OP, KW3)
+            if SPARSE >= 2:
+                both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
+                                          B_OP, KW4)
             scores = _top_rows(both, CHUNK)  # [8, CHUNK]
             token = (first + step) * PAGE + c * CHUNK + tokens
             valid = gl.expand_dims((token >= SINK) & (token < packed_end), 0)
@@ -1039,6 +1193,12 @@ def int4_pages_kernel_v2(
             if STREAMS == 2:
                 acc = _add_values(acc, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK, W, D, NG,
                                   A_OP, B_OP, VT, VS, FORMAT)
+            if SPARSE >= 1:
+                acc = _add_sparse_values(acc, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
+                                         B_OP, VT3)
+            if SPARSE >= 2:
+                acc = _add_sparse_values(acc, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
+                                         B_OP, VT4)
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
 
