@@ -889,22 +889,25 @@ def _copy_sparse(kw_s, vw_s, stage, tile, live, kw_ptr, vw_ptr, R: gl.constexpr,
 
 @gluon.jit
 def _sparse_meta(tile, ks_ptr, km_ptr, vs_ptr, vm_ptr, pos_ptr, R: gl.constexpr, RP: gl.constexpr,
-                 NG: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, POS: gl.constexpr):
+                 NG: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, B_OP: gl.constexpr):
     """A sparse tile's row metadata, read straight from memory: key and value (scale, min)
-    ``[RP, NG]`` (0 past ``R``) and the rows' token positions ``[RP]`` (-1 past ``R``)."""
+    ``[RP, NG]`` (0 past ``R``) and the rows' token positions ``[RP]`` (-1 past ``R``), the
+    latter twice, in the layouts of the scatter and the gather one-hot operands."""
     k_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, KS))
     k_offsets = gl.expand_dims(k_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, KS)), 0)
     k_mask = gl.expand_dims(k_rows < R, 1)
     v_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, VS))
     v_offsets = gl.expand_dims(v_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, VS)), 0)
     v_mask = gl.expand_dims(v_rows < R, 1)
-    p_rows = gl.arange(0, RP, layout=POS)
+    scatter_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, B_OP))
+    gather_rows = gl.arange(0, RP, layout=gl.SliceLayout(0, B_OP))
     base = tile * (R * NG)
     return (gl.load(ks_ptr + base + k_offsets, mask=k_mask, other=0.0),
             gl.load(km_ptr + base + k_offsets, mask=k_mask, other=0.0),
             gl.load(vs_ptr + base + v_offsets, mask=v_mask, other=0.0),
             gl.load(vm_ptr + base + v_offsets, mask=v_mask, other=0.0),
-            gl.load(pos_ptr + tile * R + p_rows, mask=p_rows < R, other=-1).to(gl.int32))
+            gl.load(pos_ptr + tile * R + scatter_rows, mask=scatter_rows < R, other=-1).to(gl.int32),
+            gl.load(pos_ptr + tile * R + gather_rows, mask=gather_rows < R, other=-1).to(gl.int32))
 
 
 @gluon.jit
@@ -926,8 +929,7 @@ def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CH
     rows = mma_v2(query, keys, gl.zeros([16, RP], gl.float32, layout=MMA))  # [16, RP]
     rows = gl.convert_layout(rows.to(gl.float16), A_OP, assert_trivial=True)
     token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, B_OP))
-    here = gl.convert_layout(positions, gl.SliceLayout(1, B_OP))
-    one_hot = (gl.expand_dims(here, 1) == gl.expand_dims(token, 0)).to(gl.float16)  # [RP, CHUNK]
+    one_hot = (gl.expand_dims(positions, 1) == gl.expand_dims(token, 0)).to(gl.float16)  # [RP, CHUNK]
     return mma_v2(rows, one_hot, scores)
 
 
@@ -937,11 +939,10 @@ def _add_sparse_values(acc, weights, vw_s, stage, meta, c, RP: gl.constexpr, CHU
                        A_OP: gl.constexpr, B_OP: gl.constexpr, VTR: gl.constexpr):
     """``acc [D, 8]`` plus a sparse value stream's residual rows weighted by their tokens'
     probabilities (gathered by a one-hot product)."""
-    scale, minimum, positions = meta[2], meta[3], meta[4]
+    scale, minimum, positions = meta[2], meta[3], meta[5]
     probabilities = _pad_rows(weights.to(gl.float16), CHUNK, A_OP)  # [16, CHUNK]
     token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, B_OP))
-    here = gl.convert_layout(positions, gl.SliceLayout(0, B_OP))
-    one_hot = (gl.expand_dims(token, 1) == gl.expand_dims(here, 0)).to(gl.float16)  # [CHUNK, RP]
+    one_hot = (gl.expand_dims(token, 1) == gl.expand_dims(positions, 0)).to(gl.float16)  # [CHUNK, RP]
     gathered = _top_rows(mma_v2(probabilities, one_hot, gl.zeros([16, RP], gl.float32, layout=MMA)), RP)
     p_rows = gl.convert_layout(gl.permute(gathered.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)  # [RP, 8]
     values = _value_tile_v2(vw_s.index(stage).load(VTR), scale, minimum, RP, W, D, NG, A_OP)
@@ -1088,7 +1089,6 @@ def int4_pages_kernel_v2(
         KS4: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP4, W], gl.uint32, layout=KW4),
                                                          [RP4, NG, W // NG]).type.layout)
         VS4: gl.constexpr = _value_meta_layout(RP4, NG, D, GV)
-    POS: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
 
     packed_end = gl.load(bounds_ptr + seq * 2 + 1)
     packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
@@ -1137,9 +1137,9 @@ def int4_pages_kernel_v2(
         async_copy.commit_group()
         current, _live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
         if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
-            meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, POS)
+            meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, B_OP)
         if SPARSE >= 2:
-            meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, POS)
+            meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, B_OP)
         if FORMAT == NVFP4:  # the tile scales come from global memory: load them before waiting
             terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D,
                                 W, A_OP, B8, KM, FORMAT)
