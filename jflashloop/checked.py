@@ -76,6 +76,7 @@ def encode(
       SaturationError: some element would be stored saturated.
     """
     codecs._check_input(x, spec)
+    codecs._check_global_scale(global_scale, spec)
     require_finite("x", x)
     packed, statistics = _encode_with_statistics(x, global_scale, spec, implementation)
     _raise_on_statistics("x", statistics, spec, allow_saturation)

@@ -48,6 +48,12 @@ def _check_input(x, spec, name: str = "x") -> None:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
+def _as_float32(global_scale) -> np.ndarray:
+    """A concrete value as the float32 the encoder uses (1e39 becomes inf)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.asarray(global_scale).astype(np.float32)
+
+
 def _check_global_scale(global_scale, spec: CodecSpec) -> None:
     if global_scale is None:
         return
@@ -59,11 +65,13 @@ def _check_global_scale(global_scale, spec: CodecSpec) -> None:
         )
     if isinstance(global_scale, jax.core.Tracer):
         return
-    value = np.asarray(global_scale, dtype=np.float64)
-    if not (np.isfinite(value).all() and (value >= MINIMUM_GIVEN_GLOBAL_SCALE).all()):
+    value = _as_float32(global_scale).reshape(())
+    if not (np.isfinite(value) and value >= MINIMUM_GIVEN_GLOBAL_SCALE):
+        given = np.asarray(global_scale).reshape(()).item()
+        as_float32 = f" ({value.item()} as a float32)" if np.isinf(value) and np.isfinite(given) else ""
         raise ValueError(
             "global_scale must be one finite positive float32 number >= 2**-116 "
-            f"(so no scale product is subnormal), got {np.asarray(global_scale).tolist()}"
+            f"(so no scale product is subnormal), got {given}{as_float32}"
         )
 
 
@@ -85,7 +93,8 @@ def encode(
       global_scale: NVFP4 only: float32 scalar decode multiplier to use instead
         of the tensor's own ``max(amax(|x|), 1e-12) / (6 * 448)`` (for a
         streamed cache whose amax is not known in advance); at least
-        ``2**-116``. Values beyond what it can represent saturate to
+        ``2**-116`` and finite *as a float32* (so ``1e39``, which rounds to
+        inf, is refused). Values beyond what it can represent saturate to
         +-6 * 448 * global_scale (counted by :func:`encode_with_statistics`).
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or
         ``"pallas"``. Both are bit-exact on CPU; on GPU only ``"pallas"`` is,

@@ -277,6 +277,21 @@ def test_saturation_is_counted_not_silent():
     assert int(jflashloop.codecs.count_saturations(y * 1e30, jflashloop.NVFP4).saturated) == 0
 
 
+def test_nvfp4_nonfinite_traced_global_scale_is_counted():
+    # Outside jit such a global scale is refused; traced, it decodes to NaN or
+    # inf, so every finite element (here all but the NaN; padding excluded) counts as saturated.
+    x = np.linspace(-2, 2, 2 * 1 * 20, dtype=np.float32).reshape(2, 1, 20)
+    x[1, 0, 3] = np.nan
+    encode = jax.jit(lambda x, g: jflashloop.codecs.encode_with_statistics(x, jflashloop.NVFP4, global_scale=g))
+    for global_scale in (np.inf, np.nan):
+        packed, statistics = encode(jnp.asarray(x), jnp.float32(global_scale))
+        assert (int(statistics.nonfinite), int(statistics.saturated)) == (1, 39), global_scale
+    expected = reference.encode_nvfp4(x, np.float32(np.inf))
+    assert (expected["nonfinite"], expected["saturated"]) == (1, 39)
+    packed, _ = encode(jnp.asarray(x), jnp.float32(np.inf))
+    assert_bits_equal(packed.payload, expected["payload"], "payload")
+
+
 def test_statistics_work_under_jit_and_vmap(rng):
     x = jnp.asarray(rng.standard_normal((3, 16, 2, 8)).astype(np.float32)).at[1, 0, 0, 0].set(jnp.nan)
     spec = jflashloop.INT4_VALUES
