@@ -29,10 +29,12 @@ flags, counters), ``data_nbytes`` and ``arrays``: one entry per array with
 start), ``nbytes`` and ``sha256``.
 
 Loading checks the magic, the version, the header checksum, the file size,
-that padding is zero, every array's name, dtype, shape and SHA-256, and (for a cache) its
-bookkeeping (:func:`jflashloop.paged_cache.validate`) before building
-anything: a corrupt, truncated or version-mismatched file raises
-:class:`PersistenceError` and loads nothing.
+the header's fields and their JSON types, that padding is zero, every
+array's name, dtype, shape and SHA-256, and (for a cache) its bookkeeping
+(:func:`jflashloop.paged_cache.validate`) before building anything: a
+corrupt, truncated, hand-built or version-mismatched file raises
+:class:`PersistenceError` and loads nothing. Every size read from the file
+is checked against the file's size before anything of that size is allocated.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
 import struct
 import sys
@@ -156,15 +159,66 @@ def _write(stream: BinaryIO, kind: str, config: CacheConfig, metadata: dict, arr
     stream.write(b"\0" * (offset - written))
 
 
+def _remaining(stream: BinaryIO) -> int:
+    """Bytes between the stream's position and its end (the stream must be seekable)."""
+    position = stream.tell()
+    end = stream.seek(0, io.SEEK_END)
+    stream.seek(position)
+    return end - position
+
+
 def _read_exactly(stream: BinaryIO, size: int, what: str) -> bytes:
+    """``size`` bytes, refused before anything is allocated if the file holds fewer."""
+    available = _remaining(stream)
+    if size > available:
+        raise PersistenceError(f"file is truncated: expected {size} bytes of {what}, got {available}")
     data = stream.read(size)
     if len(data) != size:
         raise PersistenceError(f"file is truncated: expected {size} bytes of {what}, got {len(data)}")
     return data
 
 
+def _is_count(value) -> bool:
+    """A JSON integer >= 0 (not a bool, not a float)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+_ENTRY_FIELDS = {"name": str, "dtype": str, "shape": list, "offset": int, "nbytes": int, "sha256": str}
+
+
+def _header_problem(header, kind: str) -> str | None:
+    """Why a parsed JSON header is not one of ``kind`` (None when its fields are well formed)."""
+    if not isinstance(header, dict):
+        return f"the header is a JSON {type(header).__name__}, not an object"
+    if header.get("format") != kind:
+        return f"file holds {header.get('format')!r}, expected {kind!r}"
+    if header.get("format_version") != FORMAT_VERSION:
+        return f"header format_version {header.get('format_version')} != {FORMAT_VERSION}"
+    for key, kind_of_value in (("config", dict), ("metadata", dict), ("arrays", list)):
+        if not isinstance(header.get(key), kind_of_value):
+            return f"header field {key!r} must be a JSON {kind_of_value.__name__}"
+    if not _is_count(header.get("data_nbytes")):
+        return "header field 'data_nbytes' must be an integer >= 0"
+    names = set()
+    for index, entry in enumerate(header["arrays"]):
+        if not isinstance(entry, dict) or any(not isinstance(entry.get(f), t) for f, t in _ENTRY_FIELDS.items()):
+            return f"arrays[{index}] must hold {', '.join(_ENTRY_FIELDS)} of the documented types"
+        if entry["dtype"] not in _DTYPES:
+            return f"array {entry['name']}: unsupported dtype {entry['dtype']!r}"
+        if not all(_is_count(v) for v in (entry["offset"], entry["nbytes"], *entry["shape"])):
+            return f"array {entry['name']}: offset, nbytes and shape must be integers >= 0"
+        if entry["name"] in names:
+            return f"array {entry['name']} appears twice"
+        names.add(entry["name"])
+    return None
+
+
 def _read(stream: BinaryIO, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """Read and verify a file; returns ``(header, {name: array})``."""
+    """Read and verify a file; returns ``(header, {name: array})``.
+
+    Every size read from the file is checked against what the file holds
+    before anything of that size is allocated.
+    """
     prefix = _read_exactly(stream, _PREFIX.size, "the fixed prefix")
     magic, version, header_length, header_digest = _PREFIX.unpack(prefix)
     if magic != MAGIC:
@@ -178,12 +232,11 @@ def _read(stream: BinaryIO, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
         raise PersistenceError("header checksum mismatch: the header is corrupt")
     try:
         header = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise PersistenceError(f"the header is not valid JSON: {error}") from error
-    if header.get("format") != kind:
-        raise PersistenceError(f"file holds {header.get('format')!r}, expected {kind!r}")
-    if header.get("format_version") != FORMAT_VERSION:
-        raise PersistenceError(f"header format_version {header.get('format_version')} != {FORMAT_VERSION}")
+    problem = _header_problem(header, kind)
+    if problem:
+        raise PersistenceError(problem)
     position = _PREFIX.size + header_length
     if any(_read_exactly(stream, _aligned(position) - position, "the header padding")):
         raise PersistenceError("the padding after the header is not zero: the file is corrupt")
@@ -194,13 +247,11 @@ def _read(stream: BinaryIO, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
     arrays = {}
     for entry in header["arrays"]:
         name = entry["name"]
-        if entry["dtype"] not in _DTYPES:
-            raise PersistenceError(f"array {name}: unsupported dtype {entry['dtype']!r}")
         dtype = np.dtype(jnp.dtype(entry["dtype"]))
-        shape = tuple(int(size) for size in entry["shape"])
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        start = int(entry["offset"])
-        if nbytes != entry["nbytes"] or start < 0 or start + nbytes > len(data):
+        shape = tuple(entry["shape"])
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = entry["offset"]
+        if nbytes != entry["nbytes"] or start + nbytes > len(data):
             raise PersistenceError(f"array {name}: inconsistent size or offset in the header")
         raw = data[start : start + nbytes]
         if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
@@ -210,6 +261,17 @@ def _read(stream: BinaryIO, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
     if np.frombuffer(data, np.uint8)[~covered].any():
         raise PersistenceError("the padding between arrays is not zero: the file is corrupt")
     return header, arrays
+
+
+def _stored_config(header: dict, arrays: dict) -> CacheConfig:
+    """The header's config, refused before its arrays are laid out if it implies more arrays than stored."""
+    config = config_from_json(header["config"])
+    if config.num_layers * config.num_loops > len(arrays):
+        raise PersistenceError(
+            f"the stored config implies at least {config.num_layers} x {config.num_loops} arrays "
+            f"(layers x loops), the file holds {len(arrays)}"
+        )
+    return config
 
 
 def _write_file(path, kind, config, metadata, arrays) -> None:
@@ -288,7 +350,7 @@ def load(path, *, config: CacheConfig | None = None) -> PagedKVCache:
 
 def _cache_from_stream(stream: BinaryIO, expected: CacheConfig | None) -> PagedKVCache:
     header, arrays = _read(stream, CACHE_FORMAT)
-    stored = config_from_json(header["config"])
+    stored = _stored_config(header, arrays)
     if expected is not None and stored != expected:
         raise PersistenceError(f"the file's config {stored} differs from the expected {expected}")
     template = jax.eval_shape(lambda: create(stored))
@@ -516,25 +578,30 @@ def load_pages(path) -> PageBundle:
         return _bundle_from_stream(stream)
 
 
+_BUNDLE_COUNTS = ("length", "error_flags", "nonfinite_count", "saturation_count")
+
+
+def _is_int32_count(value) -> bool:
+    return _is_count(value) and value < 2**31
+
+
 def _bundle_from_stream(stream: BinaryIO) -> PageBundle:
     header, arrays = _read(stream, BUNDLE_FORMAT)
-    config = config_from_json(header["config"])
+    config = _stored_config(header, arrays)
     metadata = header["metadata"]
-    try:
-        columns = np.asarray(metadata["page_columns"], np.int32).reshape(-1)
-        bundle = PageBundle(
-            layers=_tree_from_arrays(_bundle_template(config, columns.size), arrays, "page bundle file"),
-            page_columns=columns,
-            length=int(metadata["length"]),
-            error_flags=int(metadata["error_flags"]),
-            nonfinite_count=int(metadata["nonfinite_count"]),
-            saturation_count=int(metadata["saturation_count"]),
-            config=config,
-        )
-    except (KeyError, TypeError, ValueError) as error:
-        if isinstance(error, PersistenceError):
-            raise
-        raise PersistenceError(f"page bundle file has malformed metadata: {error}") from error
+    columns = metadata.get("page_columns")
+    if not isinstance(columns, list) or not all(_is_int32_count(column) for column in columns):
+        raise PersistenceError("page bundle file has malformed metadata: page_columns must be a list of int32 >= 0")
+    for key in _BUNDLE_COUNTS:
+        if not _is_int32_count(metadata.get(key)):
+            raise PersistenceError(f"page bundle file has malformed metadata: {key} must be an int32 >= 0")
+    columns = np.asarray(columns, np.int32).reshape(-1)
+    bundle = PageBundle(
+        layers=_tree_from_arrays(_bundle_template(config, columns.size), arrays, "page bundle file"),
+        page_columns=columns,
+        config=config,
+        **{key: metadata[key] for key in _BUNDLE_COUNTS},
+    )
     _check_bundle(bundle)
     return bundle
 

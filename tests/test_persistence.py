@@ -7,11 +7,14 @@ import functools
 import hashlib
 import json
 import struct
+import tracemalloc
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, note
+from hypothesis import strategies as st
 
 import jflashloop
 from jflashloop import paged_cache, persistence
@@ -105,9 +108,9 @@ def _first_array_byte(data: bytes) -> int:
     return -(-(52 + _header_length(data)) // 64) * 64
 
 
-def _flip(data: bytes, offset: int) -> bytes:
+def _flip(data: bytes, offset: int, mask: int = 0x01) -> bytes:
     changed = bytearray(data)
-    changed[offset] ^= 0x01
+    changed[offset] ^= mask
     return bytes(changed)
 
 
@@ -126,9 +129,11 @@ def _flip(data: bytes, offset: int) -> bytes:
         (lambda d: d[:-1], "truncated"),
         (lambda d: d + b"\0", "trailing bytes"),
         (lambda d: b"", "truncated"),
+        *[(functools.partial(_flip, offset=offset, mask=0xFF), "truncated") for offset in (16, 17, 18, 19)],
     ],
     ids=["magic", "version", "header-digest", "header", "last-byte", "middle-byte", "first-array", "prefix-cut",
-         "header-cut", "data-cut", "trailing", "empty"],
+         "header-cut", "data-cut", "trailing", "empty", "header-length-16", "header-length-17",
+         "header-length-18", "header-length-19"],
 )
 def test_damaged_files_load_nothing(tmp_path, damage, message):
     data = damage(persistence.cache_to_bytes(busy_cache()))
@@ -223,3 +228,151 @@ def test_damaged_bundles_load_nothing():
         persistence.pages_from_bytes(data[:-64])
     with pytest.raises(PersistenceError, match="unsupported format version"):
         persistence.pages_from_bytes(data[:8] + struct.pack("<I", 0) + data[12:])
+
+
+# --------------------------------------------------------------------------- malformed files
+
+TINY = CacheConfig(
+    num_layers=1, num_kv_heads=1, head_dim=8, num_pages=2, max_sequences=1, max_pages_per_sequence=2,
+    page_size=16, recent_tokens=4,
+    loops=(LoopStorage(jflashloop.CodecSpec("int4", "channel", 16), jflashloop.CodecSpec("int4", "token", 8)),),
+)
+
+
+@functools.cache
+def tiny_files() -> dict[str, bytes]:
+    """A small saved cache (one sequence of 20 tokens, one full page) and its page bundle."""
+    cache = _prefill(paged_cache.create(TINY), 0, *kv((1, 1, 20, 1, 8), 3), 20)
+    return {"cache": persistence.cache_to_bytes(cache),
+            "bundle": persistence.pages_to_bytes(persistence.export_pages(cache, 0))}
+
+
+_FROM_BYTES = {"cache": persistence.cache_from_bytes, "bundle": persistence.pages_from_bytes}
+
+
+def _with_header(data: bytes, change) -> bytes:
+    """``data`` with its JSON header replaced by ``change(header)``, under a valid checksum."""
+    header = change(json.loads(data[52 : 52 + _header_length(data)]))
+    header_bytes = json.dumps(header, sort_keys=True).encode("utf-8")
+    head = struct.pack("<8sIQ32s", b"JFLASHKV", 1, len(header_bytes), hashlib.sha256(header_bytes).digest())
+    head += header_bytes
+    return head + b"\0" * (-len(head) % 64) + data[_first_array_byte(data) :]
+
+
+def _edited(path: str, value=None, *, delete: bool = False):
+    """A header change: set (or delete) the item at a dotted path (list indices as ints)."""
+    def change(header):
+        *parents, last = [int(key) if key.isdigit() else key for key in path.split(".")]
+        node = header
+        for key in parents:
+            node = node[key]
+        if delete:
+            del node[last]
+        else:
+            node[last] = value
+        return header
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda h: [h], "the header is a JSON list, not an object"),
+        (_edited("arrays", delete=True), "header field 'arrays' must be a JSON list"),
+        (_edited("config", "page_size=16"), "header field 'config' must be a JSON dict"),
+        (_edited("data_nbytes", delete=True), "'data_nbytes' must be an integer >= 0"),
+        (_edited("data_nbytes", -64), "'data_nbytes' must be an integer >= 0"),
+        (_edited("data_nbytes", 64.0), "'data_nbytes' must be an integer >= 0"),
+        (_edited("data_nbytes", 2**70), "file is truncated"),
+        (_edited("arrays.0.name", delete=True), "arrays\\[0\\] must hold name, dtype, shape"),
+        (_edited("arrays.0.shape", "3"), "arrays\\[0\\] must hold name, dtype, shape"),
+        (_edited("arrays.0.shape", [-1, -64]), "offset, nbytes and shape must be integers >= 0"),
+        (_edited("arrays.0.offset", True), "offset, nbytes and shape must be integers >= 0"),
+        (_edited("arrays.0.offset", 2**70), "inconsistent size or offset"),
+        (_edited("arrays.0.shape", [2**62, 2**62]), "inconsistent size or offset"),
+        (_edited("arrays.0.dtype", "complex64"), "unsupported dtype 'complex64'"),
+        (lambda h: {**h, "arrays": h["arrays"] + h["arrays"][:1]}, "appears twice"),
+        (_edited("config.num_layers", delete=True), "not a valid CacheConfig"),
+        (_edited("config.loops.0", 7), "not a valid CacheConfig"),
+        (_edited("config.num_layers", 10**9), "implies at least 1000000000 x 1 arrays \\(layers x loops\\), the file holds \\d+"),
+        (_edited("config.recent_tokens", 3.5), "not a valid CacheConfig"),
+    ],
+)
+def test_hand_built_headers_with_valid_checksums_load_nothing(change, message):
+    with pytest.raises(PersistenceError, match=message):
+        persistence.cache_from_bytes(_with_header(tiny_files()["cache"], change))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (_edited("metadata.length", delete=True), "length must be an int32 >= 0"),
+        (_edited("metadata.error_flags", "0"), "error_flags must be an int32 >= 0"),
+        (_edited("metadata.page_columns", [2**40]), "page_columns must be a list of int32 >= 0"),
+        (_edited("metadata.page_columns", 0), "page_columns must be a list of int32 >= 0"),
+    ],
+)
+def test_hand_built_bundle_metadata_loads_nothing(change, message):
+    with pytest.raises(PersistenceError, match=message):
+        persistence.pages_from_bytes(_with_header(tiny_files()["bundle"], change))
+
+
+@pytest.mark.parametrize("length", [2**26, 2**40, 2**64 - 1])
+def test_a_huge_header_length_is_refused_before_anything_is_allocated(tmp_path, length):
+    data = tiny_files()["cache"]
+    path = tmp_path / "cache.jflkv"
+    path.write_bytes(data[:12] + struct.pack("<Q", length) + data[20:])
+    tracemalloc.start()
+    try:
+        with pytest.raises(PersistenceError, match=f"expected {length} bytes of the header, got {len(data) - 52}"):
+            persistence.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * len(data) + 2**20, peak
+
+
+@pytest.mark.parametrize("kind", ["cache", "bundle"])
+@given(data=st.data())
+def test_any_damaged_or_cut_file_raises_persistence_error(kind, data):
+    original = tiny_files()[kind]
+    damaged = bytearray(original)
+    for offset in data.draw(st.lists(st.integers(0, len(original) - 1), min_size=1, max_size=3, unique=True)):
+        damaged[offset] ^= data.draw(st.integers(1, 255))
+    damaged = bytes(damaged)
+    cut = data.draw(st.one_of(st.none(), st.integers(0, len(original) - 1)))
+    if cut is not None:
+        damaged = data.draw(st.sampled_from([damaged[:cut], original[:cut], original + original[cut:]]))
+    with pytest.raises(PersistenceError):
+        _FROM_BYTES[kind](damaged)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=6,
+)
+
+
+def _header_paths(node, prefix=()):
+    """Every (path, node) below a parsed JSON header."""
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        yield (*prefix, key)
+        yield from _header_paths(child, (*prefix, key))
+
+
+@pytest.mark.parametrize("kind", ["cache", "bundle"])
+@given(data=st.data())
+def test_any_hand_built_header_loads_or_raises_persistence_error(kind, data):
+    original = tiny_files()[kind]
+    paths = sorted(_header_paths(json.loads(original[52 : 52 + _header_length(original)])), key=str)
+    path = data.draw(st.sampled_from(paths))
+    delete = data.draw(st.booleans())
+    value = None if delete else data.draw(_JSON)
+    note(f"{path} {'deleted' if delete else f'= {value!r}'}")
+    edit = _edited(".".join(str(key) for key in path), value, delete=delete)
+    try:
+        _FROM_BYTES[kind](_with_header(original, edit))
+    except PersistenceError:
+        pass
