@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,7 @@ import numpy as np
 import pytest
 
 import jflashloop
-from jflashloop import checked, paged_cache
+from jflashloop import checked, paged_cache, persistence
 from jflashloop.cache_config import CacheConfig, LoopStorage
 from jflashloop.packed import Packed
 from jflashloop.validation import CacheStateError, NonFiniteInputError, SaturationError
@@ -74,6 +77,26 @@ def _with_inf(x):
 
 def _corrupt(**changes):
     return dataclasses.replace(one_active_cache(), **changes)
+
+
+def _saved(change=None) -> bytes:
+    """``one_active_cache()`` in the file format, its prefix changed by ``change(bytearray)``."""
+    data = bytearray(persistence.cache_to_bytes(one_active_cache()))
+    if change:
+        change(data)
+    return bytes(data)
+
+
+def _with_header(header_bytes: bytes) -> bytes:
+    """A file with the given header bytes, under a valid checksum."""
+    prefix = struct.pack("<8sIQ32s", persistence.MAGIC, persistence.FORMAT_VERSION, len(header_bytes),
+                         hashlib.sha256(header_bytes).digest())
+    return prefix + header_bytes + b"\0" * (-(len(prefix) + len(header_bytes)) % 64)
+
+
+def _import_into_a_full_cache():
+    bundle = persistence.export_pages(one_active_cache(), 0)
+    return persistence.import_pages(_corrupt(page_free=jnp.zeros((6,), bool)), 1, bundle)
 
 
 BAD_INPUTS = [
@@ -200,6 +223,24 @@ BAD_INPUTS = [
     ("validate: wrong array dtype",
      lambda: paged_cache.validate(_corrupt(lengths=jnp.array([20, 0], jnp.float32))),
      CacheStateError, "lengths must be int32"),
+    ("load: other format version", lambda: persistence.cache_from_bytes(_saved(lambda d: d.__setitem__(8, 2))),
+     persistence.PersistenceError, "unsupported format version 2; this jflashloop reads version 1"),
+    ("load: damaged header length",
+     lambda: persistence.cache_from_bytes(_saved(lambda d: d.__setitem__(slice(12, 20), b"\xff" * 8))),
+     persistence.PersistenceError, "file is truncated: expected 18446744073709551615 bytes of the header"),
+    ("load: hand-built header without arrays", lambda: persistence.cache_from_bytes(_with_header(b"[]")),
+     persistence.PersistenceError, "the header is a JSON list, not an object"),
+    ("load: hand-built header with a mistyped field",
+     lambda: persistence.cache_from_bytes(_with_header(json.dumps({
+         "format": persistence.CACHE_FORMAT, "format_version": 1, "config": {}, "metadata": {},
+         "data_nbytes": 0, "arrays": [{"name": ".lengths"}]}).encode())),
+     persistence.PersistenceError, "arrays\\[0\\] must hold name, dtype, shape, offset, nbytes, sha256"),
+    ("import_pages: no room", _import_into_a_full_cache,
+     persistence.PersistenceError, "the bundle needs 1 free pages, this cache has 0"),
+    ("import_pages: other layout",
+     lambda: persistence.import_pages(paged_cache.create(dataclasses.replace(CONFIG, recent_tokens=16)), 0,
+                                      persistence.export_pages(one_active_cache(), 0)),
+     persistence.PersistenceError, "the bundle's pages do not fit this cache's layout \\(recent_tokens: bundle 8 vs cache 16\\)"),
     ("checked.encode: NaN", lambda: checked.encode(x3().at[1, 0, 3].set(jnp.nan), jflashloop.INT4_KEYS),
      NonFiniteInputError, "x must be finite: 1 element\\(s\\) are NaN or \\+-inf, the first at index \\(1, 0, 3\\)"),
     ("checked.encode: INT4 metadata beyond float16",
