@@ -40,13 +40,17 @@ is checked against the file's size before anything of that size is allocated.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import io
 import json
 import math
 import os
+import re
+import secrets
 import struct
 import sys
+import time
 from collections.abc import Mapping
 from typing import BinaryIO
 
@@ -274,14 +278,113 @@ def _stored_config(header: dict, arrays: dict) -> CacheConfig:
     return config
 
 
-def _write_file(path, kind, config, metadata, arrays) -> None:
-    """Write atomically: a temporary file in the same folder, then a rename."""
-    path = os.fspath(path)
-    temporary = f"{path}.tmp-{os.getpid()}"
+def _file_path(path) -> str:
+    """``path`` (``str``, ``bytes`` or ``os.PathLike``) as a ``str`` (``os.fsdecode``).
+
+    Raises:
+      TypeError: anything else (an int would otherwise open a file descriptor).
+    """
     try:
-        with open(temporary, "wb") as stream:
+        return os.fsdecode(path)
+    except TypeError:
+        raise TypeError(f"path must be a str, bytes or os.PathLike, got {type(path).__name__}") from None
+
+
+TEMPORARY_MARK = ".tmp-"
+"""A save writes ``<name>.tmp-<pid>-<8 hex digits>`` next to ``<name>``, then renames it."""
+STALE_AFTER_SECONDS = 600.0
+"""A leftover temporary file is removed only once it is this old (and its writer is gone)."""
+
+
+def _temporary_pattern(name: str) -> re.Pattern:
+    """Temporary files of target ``name``: ``<name>.tmp-<pid>`` (older versions) or ``<name>.tmp-<pid>-<hex8>``."""
+    return re.compile(re.escape(name) + re.escape(TEMPORARY_MARK) + r"(\d+)(?:-[0-9a-f]{8})?")
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine; True whenever that cannot be told.
+
+    Only POSIX can ask without side effects (``os.kill(pid, 0)``; on Windows
+    ``os.kill`` terminates the process).
+    """
+    if os.name != "posix" or pid <= 0 or pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # PermissionError: it exists, owned by another user
+        return True
+    return True
+
+
+def remove_stale_temporaries(path, *, now: float | None = None) -> list[str]:
+    """Remove the temporary files an interrupted save of ``path`` left behind.
+
+    A file next to ``path`` is removed only if all of these hold: its name is
+    ``<name>.tmp-<pid>`` or ``<name>.tmp-<pid>-<8 hex digits>`` for this very
+    target; no process ``<pid>`` runs on this machine (POSIX; elsewhere
+    nothing is removed); and it was last modified at least
+    :data:`STALE_AFTER_SECONDS` ago (so a writer on another machine sharing
+    the folder, whose PID means nothing here, is not disturbed while it writes).
+    Other files, including other targets' temporaries, are never touched.
+
+    Returns:
+      The paths removed.
+    """
+    path = _file_path(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    pattern = _temporary_pattern(name)
+    now = time.time() if now is None else now
+    removed = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            match = pattern.fullmatch(entry.name)
+            if match is None or _process_alive(int(match.group(1))):
+                continue
+            try:
+                if not entry.is_file(follow_symlinks=False) or now - entry.stat().st_mtime < STALE_AFTER_SECONDS:
+                    continue
+                os.remove(entry.path)
+            except FileNotFoundError:  # another process cleaned it first
+                continue
+            removed.append(entry.path)
+    return removed
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make a rename inside ``directory`` durable (POSIX; Windows cannot open a folder)."""
+    if os.name != "posix":
+        return
+    descriptor = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP):  # file systems without folder fsync
+            raise
+    finally:
+        os.close(descriptor)
+
+
+def _write_file(path, kind, config, metadata, arrays) -> None:
+    """Write durably and atomically, as databases do.
+
+    Stale temporaries of ``path`` are removed first (:func:`remove_stale_temporaries`).
+    The data go to a new temporary file in the same folder, which is flushed
+    and fsync'ed, then renamed over ``path`` (``os.replace``: readers see the
+    old file or the new one, never a mix); the folder is then fsync'ed so
+    the rename survives a power loss. On any error the temporary file is removed.
+    """
+    path = _file_path(path)
+    remove_stale_temporaries(path)
+    temporary = f"{path}{TEMPORARY_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(temporary, "xb") as stream:
             _write(stream, kind, config, metadata, arrays)
+            stream.flush()
+            os.fsync(stream.fileno())
         os.replace(temporary, path)
+        _fsync_directory(os.path.dirname(os.path.abspath(path)))
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
@@ -326,8 +429,14 @@ def save(path, cache: PagedKVCache) -> None:
     """Write every array of ``cache`` (and its config) to ``path``, atomically.
 
     Args:
-      path: file to create or replace.
+      path: file to create or replace (``str``, ``bytes`` or ``os.PathLike``).
       cache: the cache; pending (written, uncommitted) ring tokens are saved too.
+
+    The data are written to a temporary file in the same folder, fsync'ed and
+    renamed over ``path``, and the folder is fsync'ed: after a crash or power
+    loss ``path`` holds the old file or the new one, whole. Temporary files
+    left by interrupted saves of ``path`` are removed first
+    (:func:`remove_stale_temporaries` gives the rule).
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -338,13 +447,13 @@ def load(path, *, config: CacheConfig | None = None) -> PagedKVCache:
     """Read a cache written by :func:`save`: bit-identical arrays.
 
     Args:
-      path: the file.
+      path: the file (``str``, ``bytes`` or ``os.PathLike``).
       config: if given, the stored config must equal it.
     Raises:
       PersistenceError: corrupt, truncated or version-mismatched file, or a
         config mismatch, or inconsistent bookkeeping; nothing is loaded.
     """
-    with open(os.fspath(path), "rb") as stream:
+    with open(_file_path(path), "rb") as stream:
         return _cache_from_stream(stream, config)
 
 
@@ -563,7 +672,7 @@ def pages_from_bytes(data: bytes) -> PageBundle:
 
 
 def save_pages(path, bundle: PageBundle) -> None:
-    """Write a :class:`PageBundle` to ``path`` (atomically)."""
+    """Write a :class:`PageBundle` to ``path`` (``str``, ``bytes`` or ``os.PathLike``), as :func:`save` does."""
     _check_bundle(bundle)
     _write_file(path, BUNDLE_FORMAT, bundle.config, _bundle_metadata(bundle), _named_leaves(bundle.layers))
 
@@ -571,10 +680,12 @@ def save_pages(path, bundle: PageBundle) -> None:
 def load_pages(path) -> PageBundle:
     """Read a :class:`PageBundle` written by :func:`save_pages` (bit-identical arrays).
 
+    ``path``: ``str``, ``bytes`` or ``os.PathLike``.
+
     Raises:
       PersistenceError: corrupt, truncated or version-mismatched file; nothing is loaded.
     """
-    with open(os.fspath(path), "rb") as stream:
+    with open(_file_path(path), "rb") as stream:
         return _bundle_from_stream(stream)
 
 
@@ -619,6 +730,7 @@ __all__ = [
     "load_pages",
     "pages_from_bytes",
     "pages_to_bytes",
+    "remove_stale_temporaries",
     "save",
     "save_pages",
 ]

@@ -6,7 +6,12 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
+import stat
 import struct
+import subprocess
+import sys
+import time
 import tracemalloc
 
 import jax
@@ -240,11 +245,16 @@ TINY = CacheConfig(
 
 
 @functools.cache
+def tiny_cache():
+    """One sequence of 20 tokens (one full page)."""
+    return _prefill(paged_cache.create(TINY), 0, *kv((1, 1, 20, 1, 8), 3), 20)
+
+
+@functools.cache
 def tiny_files() -> dict[str, bytes]:
-    """A small saved cache (one sequence of 20 tokens, one full page) and its page bundle."""
-    cache = _prefill(paged_cache.create(TINY), 0, *kv((1, 1, 20, 1, 8), 3), 20)
-    return {"cache": persistence.cache_to_bytes(cache),
-            "bundle": persistence.pages_to_bytes(persistence.export_pages(cache, 0))}
+    """:func:`tiny_cache` in the file format, and its page bundle."""
+    return {"cache": persistence.cache_to_bytes(tiny_cache()),
+            "bundle": persistence.pages_to_bytes(persistence.export_pages(tiny_cache(), 0))}
 
 
 _FROM_BYTES = {"cache": persistence.cache_from_bytes, "bundle": persistence.pages_from_bytes}
@@ -376,3 +386,77 @@ def test_any_hand_built_header_loads_or_raises_persistence_error(kind, data):
         _FROM_BYTES[kind](_with_header(original, edit))
     except PersistenceError:
         pass
+
+
+# --------------------------------------------------------------------------- paths and durable writes
+
+
+@pytest.mark.parametrize("as_path", [str, os.fsencode, lambda p: p], ids=["str", "bytes", "PathLike"])
+def test_paths_may_be_str_bytes_or_path_like(tmp_path, as_path):
+    persistence.save(as_path(tmp_path / "cache.jflkv"), tiny_cache())
+    assert_caches_identical(tiny_cache(), persistence.load(as_path(tmp_path / "cache.jflkv")))
+    bundle = persistence.export_pages(tiny_cache(), 0)
+    persistence.save_pages(as_path(tmp_path / "sequence.jflkv"), bundle)
+    assert persistence.load_pages(as_path(tmp_path / "sequence.jflkv")).length == 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.jflkv", "sequence.jflkv"]
+
+
+def test_a_path_of_another_type_is_refused(tmp_path):
+    for call in (lambda: persistence.save(3, tiny_cache()), lambda: persistence.load(3),
+                 lambda: persistence.load_pages(None)):
+        with pytest.raises(TypeError, match=r"path must be a str, bytes or os\.PathLike, got"):
+            call()
+
+
+def test_save_fsyncs_the_file_then_renames_then_fsyncs_the_folder(tmp_path, monkeypatch):
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(descriptor):
+        events.append("fsync folder" if stat.S_ISDIR(os.fstat(descriptor).st_mode) else "fsync file")
+        fsync(descriptor)
+
+    def recording_replace(source, destination):
+        events.append("rename")
+        replace(source, destination)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    persistence.save(tmp_path / "cache.jflkv", tiny_cache())
+    assert events == ["fsync file", "rename"] + (["fsync folder"] if os.name == "posix" else [])
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.skipif(os.name != "posix", reason="writers' PIDs can be checked on POSIX only")
+def test_save_removes_only_stale_temporaries_of_its_own_target(tmp_path):
+    dead, alive = _dead_pid(), os.getppid()
+    old = time.time() - 2 * persistence.STALE_AFTER_SECONDS
+
+    def leftover(name, modified=old, directory=False):
+        path = tmp_path / name
+        if directory:
+            path.mkdir()
+        else:
+            path.write_bytes(b"half a file")
+        os.utime(path, (modified, modified))
+        return name
+
+    stale = [leftover(f"cache.jflkv.tmp-{dead}"), leftover(f"cache.jflkv.tmp-{dead}-0123abcd")]
+    kept = [
+        leftover(f"cache.jflkv.tmp-{dead}-89abcdef", modified=time.time()),  # too recent
+        leftover(f"cache.jflkv.tmp-{alive}-0123abcd"),  # its writer still runs
+        leftover(f"other.jflkv.tmp-{dead}"),  # another target
+        leftover(f"xcache.jflkv.tmp-{dead}"),
+        leftover(f"cache.jflkv.tmp-{dead}x"),
+        leftover(f"cache.jflkv.tmp-{dead}-0123ABCD"),
+        leftover("cache.jflkv.bak"),
+        leftover(f"cache.jflkv.tmp-{dead}-fedcba98", directory=True),
+    ]
+    persistence.save(tmp_path / "cache.jflkv", tiny_cache())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["cache.jflkv", *kept])
+    assert not set(stale) & {p.name for p in tmp_path.iterdir()}

@@ -235,6 +235,8 @@ BAD_INPUTS = [
          "format": persistence.CACHE_FORMAT, "format_version": 1, "config": {}, "metadata": {},
          "data_nbytes": 0, "arrays": [{"name": ".lengths"}]}).encode())),
      persistence.PersistenceError, "arrays\\[0\\] must hold name, dtype, shape, offset, nbytes, sha256"),
+    ("save: a path that is not str, bytes or os.PathLike", lambda: persistence.save(3, one_active_cache()),
+     TypeError, "path must be a str, bytes or os.PathLike, got int"),
     ("import_pages: no room", _import_into_a_full_cache,
      persistence.PersistenceError, "the bundle needs 1 free pages, this cache has 0"),
     ("import_pages: other layout",
