@@ -282,13 +282,44 @@ def _tile_saturations(tiles: tuple[LoopTiles, ...]) -> jax.Array:
 
 
 def _check_kv(name: str, x, expected: tuple[int, ...], layout: str) -> None:
-    """Shape must be ``expected`` (``None`` entries are free) and dtype floating."""
-    shape = tuple(getattr(x, "shape", ()))
+    """An array (not a nested list) whose shape is ``expected`` (``None`` entries are free), of a float dtype."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}")
+    shape = tuple(x.shape)
     if len(shape) != len(expected) or any(e is not None and e != g for e, g in zip(expected, shape, strict=True)):
         raise ValueError(f"{name} must be {layout}, got shape {shape}")
     dtype = np.dtype(x.dtype)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
         raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, float16), got {dtype}")
+
+
+def check_prefill_arrays(cache: PagedKVCache, keys, values) -> None:
+    """``prefill``'s checks of ``keys`` and ``values`` (static: shapes and dtypes).
+
+    Both must be arrays ``[layers, loops, tokens, kv_heads, head_dim]`` of
+    the cache's shape, of a float dtype, of equal shapes, with ``tokens >= 1``.
+    """
+    c = cache.config
+    layout = (f"[layers={c.num_layers}, loops={c.num_loops}, tokens, "
+              f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
+    expected = (c.num_layers, c.num_loops, None, c.num_kv_heads, c.head_dim)
+    _check_kv("keys", keys, expected, layout)
+    _check_kv("values", values, expected, layout)
+    if tuple(values.shape) != tuple(keys.shape):
+        raise ValueError(f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}")
+    if keys.shape[2] == 0:
+        raise ValueError("keys must hold at least one token (pass length=0 with padding for an empty prompt)")
+
+
+def check_append_arrays(cache: PagedKVCache, keys, values) -> None:
+    """``append``'s checks of ``keys`` and ``values``: arrays
+    ``[layers, loops, max_sequences, kv_heads, head_dim]`` of a float dtype."""
+    c = cache.config
+    expected = (c.num_layers, c.num_loops, c.max_sequences, c.num_kv_heads, c.head_dim)
+    layout = (f"[layers={c.num_layers}, loops={c.num_loops}, max_sequences={c.max_sequences}, "
+              f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
+    _check_kv("keys", keys, expected, layout)
+    _check_kv("values", values, expected, layout)
 
 
 def check_prefill_values(cache: PagedKVCache, slot, tokens: int, length) -> None:
@@ -355,16 +386,8 @@ def prefill(
         module docstring); non-finite K/V are stored as 0 and counted.
     """
     c = cache.config
-    layout = (f"[layers={c.num_layers}, loops={c.num_loops}, tokens, "
-              f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
-    expected = (c.num_layers, c.num_loops, None, c.num_kv_heads, c.head_dim)
-    _check_kv("keys", keys, expected, layout)
-    if tuple(values.shape) != tuple(keys.shape):
-        raise ValueError(f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}")
-    _check_kv("values", values, expected, layout)
+    check_prefill_arrays(cache, keys, values)
     tokens = keys.shape[2]
-    if tokens == 0:
-        raise ValueError("keys must hold at least one token (pass length=0 with padding for an empty prompt)")
     if length is None:
         length = tokens
     check_prefill_values(cache, slot, tokens, length)
@@ -574,11 +597,7 @@ def append(
       The new cache (use ``jax.jit(append, donate_argnums=0)`` to update in place).
     """
     c = cache.config
-    expected = (c.num_layers, c.num_loops, c.max_sequences, c.num_kv_heads, c.head_dim)
-    layout = (f"[layers={c.num_layers}, loops={c.num_loops}, max_sequences={c.max_sequences}, "
-              f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
-    _check_kv("keys", keys, expected, layout)
-    _check_kv("values", values, expected, layout)
+    check_append_arrays(cache, keys, values)
     for layer in range(c.num_layers):
         for loop in range(c.num_loops):
             cache = write_token(cache, layer, loop, keys[layer, loop], values[layer, loop])
