@@ -54,11 +54,11 @@ def _raise_on_statistics(name: str, statistics, spec: CodecSpec, allow_saturatio
             "huge finite values)"
         )
     if saturated and not allow_saturation:
-        limit = (
-            "its group's float16 min or scale would exceed 65504"
-            if spec.format == "int4"
-            else "it is at least 7/6 of the largest value the global scale can represent (6 * 448 * global_scale)"
-        )
+        limit = {
+            "int4": "its group's float16 min or scale would exceed 65504",
+            "int4_rotated": "its magnitude is beyond int4_rotated's input limit 2**64",
+        }.get(spec.format, "it is at least 7/6 of the largest value the global scale can represent "
+                           "(6 * 448 * global_scale)")
         raise SaturationError(
             f"{name}: {saturated} element(s) would saturate ({limit}); pass allow_saturation=True to "
             "store them saturated"

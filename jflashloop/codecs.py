@@ -8,7 +8,7 @@ import numpy as np
 
 from . import numerics, rotated_codecs
 from .codec_spec import CodecSpec
-from .encode_statistics import EncodeStatistics
+from .encode_statistics import EncodeStatistics, count
 from .int4 import decode_int4, encode_int4, encode_int4_with_statistics, int4_statistics
 from .nvfp4 import (
     MINIMUM_GIVEN_GLOBAL_SCALE,
@@ -142,7 +142,7 @@ def encode_with_statistics(
     bit). The :class:`EncodeStatistics` count the NaN/+-inf elements and the
     finite elements stored beyond the format's range (``docs/reliability.md``
     defines both); they are computed in the same ``jit``, from values the
-    encode already has.
+    encode already has. Defined for ``int4``, ``nvfp4`` and ``int4_rotated``.
 
     Returns:
       ``(packed, statistics)``; both counts are int32 ``[]``.
@@ -156,17 +156,23 @@ def encode_with_statistics(
       (1, 3)
     """
     _check_input(x, spec)
-    _check_statistics_format(spec)
+    _check_statistics_format(spec, tuple(x.shape))
     _check_global_scale(global_scale, spec)
     implementation = numerics.resolve_implementation(implementation)
     if spec.format == "int4":
         return encode_int4_with_statistics(x, spec, implementation)
+    if spec.format == "int4_rotated":
+        return rotated_codecs.encode_int4_rotated_with_statistics(x, spec, implementation)
     return encode_nvfp4_with_statistics(x, spec, implementation, global_scale)
 
 
-def _check_statistics_format(spec: CodecSpec) -> None:
-    if spec.format not in ("int4", "nvfp4"):
-        raise ValueError(f"encode statistics are defined for the int4 and nvfp4 formats, got {spec.format!r}")
+STATISTICS_FORMATS = ("int4", "nvfp4", "int4_rotated")
+
+
+def _check_statistics_format(spec: CodecSpec, shape: tuple[int, int, int]) -> None:
+    if spec.format not in STATISTICS_FORMATS:
+        raise ValueError(f"encode statistics are defined for the formats {STATISTICS_FORMATS}, got {spec.format!r}")
+    spec.check_shape(shape)
 
 
 def count_saturations(
@@ -178,15 +184,19 @@ def count_saturations(
 ) -> EncodeStatistics:
     """The :class:`EncodeStatistics` that :func:`encode` of ``x`` would have.
 
-    INT4 computes only the group statistics (no codes); NVFP4 needs the
-    quotients, so it encodes and drops the payload (free under ``jit``).
+    INT4 computes only the group statistics (no codes); ``int4_rotated``
+    only its input rule; NVFP4 needs the quotients, so it encodes and drops
+    the payload (free under ``jit``).
     """
     _check_input(x, spec)
-    _check_statistics_format(spec)
+    _check_statistics_format(spec, tuple(x.shape))
     _check_global_scale(global_scale, spec)
     implementation = numerics.resolve_implementation(implementation)
     if spec.format == "int4":
         return int4_statistics(x, spec, implementation)
+    if spec.format == "int4_rotated":
+        _, nonfinite, saturated = rotated_codecs.int4_rotated_input(x.astype(jnp.float32))
+        return EncodeStatistics(nonfinite=count(nonfinite), saturated=count(saturated))
     return encode_nvfp4_with_statistics(x, spec, implementation, global_scale)[1]
 
 

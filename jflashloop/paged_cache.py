@@ -58,7 +58,7 @@ import numpy as np
 
 from .cache_config import CacheConfig
 from .numerics import FLOAT16_MAX, flush_subnormals
-from .page_chain import LoopTiles, pack_pages, unpack_pages
+from .page_chain import LoopTiles, pack_pages_with_saturations, unpack_pages
 from .paged_stream import PagedStream, empty_stream
 from .validation import (
     CacheStateError,
@@ -128,7 +128,8 @@ class PagedKVCache:
         stored at their format's limit: window values beyond the window
         dtype's range (stored as its largest finite value) and members of INT4
         groups whose float16 min or scale is +-65504 (or of NVFP4 tiles with a
-        non-finite tensor scale) when their page is packed.
+        non-finite tensor scale, or ``int4_rotated`` values beyond +-2**64)
+        when their page is packed.
       config: :class:`CacheConfig`.
     """
 
@@ -254,7 +255,9 @@ def _stream_saturations(stream: PagedStream) -> jax.Array:
 
     INT4: members of groups whose float16 min or scale is +-65504 or not
     finite (what saturation stores); NVFP4: every element of a tile whose
-    float32 tensor scale is not finite. Other formats are not counted.
+    float32 tensor scale is not finite. ``int4_rotated`` is counted from its
+    input instead (``page_chain.input_saturations``); the other rotated
+    formats are not counted.
     """
     spec = stream.spec
     if spec.format not in ("int4", "nvfp4"):
@@ -434,8 +437,8 @@ def prefill(
                 c.num_loops, max_full, page_size, c.num_kv_heads, c.head_dim
             )
             pages_v = layer_values[:, : max_full * page_size].reshape(pages_k.shape)
-            tiles = pack_pages(pages_k, pages_v, page_numbers, c, implementation)
-            saturated = saturated + jnp.sum(jnp.where(granted, _tile_saturations(tiles), 0))
+            tiles, unseen = pack_pages_with_saturations(pages_k, pages_v, page_numbers, c, implementation)
+            saturated = saturated + jnp.sum(jnp.where(granted, _tile_saturations(tiles) + unseen, 0))
             loops = tuple(pool.put(page_ids, new) for pool, new in zip(loops, tiles, strict=True))
         # [loops, tokens, H, D] -> [loops, H, tokens, D] for the head-major windows.
         head_major_k = layer_keys.transpose(0, 2, 1, 3).astype(cache.window_dtype)
@@ -548,8 +551,8 @@ def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementat
     saturated = jnp.zeros((c.max_sequences,), jnp.int32)
     for layer in cache.layers:
         pages_k, pages_v = page_rows(layer.ring_keys), page_rows(layer.ring_values)
-        tiles = pack_pages(pages_k, pages_v, jnp.maximum(page_number, 0), c, implementation)
-        saturated = saturated + jnp.where(granted, _tile_saturations(tiles), 0)
+        tiles, unseen = pack_pages_with_saturations(pages_k, pages_v, jnp.maximum(page_number, 0), c, implementation)
+        saturated = saturated + jnp.where(granted, _tile_saturations(tiles) + unseen, 0)
         loops = tuple(pool.put(page_ids, new) for pool, new in zip(layer.loops, tiles, strict=True))
         new_layers.append(dataclasses.replace(layer, loops=loops))
     errors = errors | jnp.where(saturated > 0, ERROR_SATURATED, 0)
