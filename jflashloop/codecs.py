@@ -238,7 +238,11 @@ def decode(packed: Packed, dtype=jnp.float32) -> jax.Array:
     """Decode a :class:`Packed` back to ``[tokens, kv_heads, channels]``.
 
     Values are computed in float32 (INT4: ``code * scale + min``; NVFP4:
-    ``e2m1 * scale * global_scale``) and cast to ``dtype`` (RNE).
+    ``e2m1 * scale * global_scale``) and cast to ``dtype`` (RNE), saturating:
+    a finite value beyond ``dtype``'s range decodes to its largest finite
+    value of the same sign. (INT4 of a float16 group spanning -65504..65504
+    decodes its top code to 65536 in float32, which float16 would round to
+    inf: it decodes to 65504, the input's own value.)
 
     Args:
       packed: the output of :func:`encode`.
@@ -257,4 +261,6 @@ def decode(packed: Packed, dtype=jnp.float32) -> jax.Array:
         decoded = decode_int4(packed)
     else:
         decoded = decode_nvfp4(packed)
-    return decoded.astype(dtype)
+    if np.dtype(dtype) == np.float32:
+        return decoded
+    return numerics.cast_saturating(decoded, dtype)[0]

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache_config import CacheConfig
-from .numerics import FLOAT16_MAX, flush_subnormals
+from .numerics import FLOAT16_MAX, cast_saturating, flush_subnormals
 from .page_chain import LoopTiles, pack_pages_with_saturations, unpack_pages
 from .paged_stream import PagedStream, empty_stream
 from .validation import (
@@ -236,10 +236,7 @@ def _stored_values(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array
     """
     x = x.astype(jnp.float32)
     finite = jnp.isfinite(x)
-    rounded = x.astype(dtype)
-    overflow = finite & jnp.isinf(rounded)
-    largest = jnp.asarray(jnp.finfo(dtype).max, dtype)
-    rounded = jnp.where(overflow, jnp.where(x > 0, largest, -largest), rounded)
+    rounded, overflow = cast_saturating(x, dtype)
     rounded = jnp.where(finite, rounded, jnp.zeros((), dtype))
     return flush_subnormals(rounded.astype(jnp.float32)), ~finite, overflow
 
