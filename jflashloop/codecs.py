@@ -8,7 +8,7 @@ import numpy as np
 
 from . import numerics, rotated_codecs
 from .codec_spec import CodecSpec
-from .encode_statistics import EncodeStatistics, count
+from .encode_statistics import EncodeStatistics
 from .int4 import decode_int4, encode_int4, encode_int4_with_statistics, int4_statistics
 from .nvfp4 import (
     MINIMUM_GIVEN_GLOBAL_SCALE,
@@ -195,8 +195,7 @@ def count_saturations(
     if spec.format == "int4":
         return int4_statistics(x, spec, implementation)
     if spec.format == "int4_rotated":
-        _, nonfinite, saturated = rotated_codecs.int4_rotated_input(x.astype(jnp.float32))
-        return EncodeStatistics(nonfinite=count(nonfinite), saturated=count(saturated))
+        return rotated_codecs.int4_rotated_statistics(x)
     return encode_nvfp4_with_statistics(x, spec, implementation, global_scale)[1]
 
 

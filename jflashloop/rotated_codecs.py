@@ -163,6 +163,12 @@ def int4_rotated_input(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return values, ~finite, finite & (jnp.abs(x) > limit)
 
 
+def int4_rotated_statistics(x: jax.Array) -> EncodeStatistics:
+    """The :class:`EncodeStatistics` of encoding ``x`` ``[T, H, D]`` as ``int4_rotated``."""
+    _, nonfinite, saturated = int4_rotated_input(x.astype(jnp.float32))
+    return EncodeStatistics(nonfinite=count(nonfinite), saturated=count(saturated))
+
+
 def _encode_int4_rotated(x: jax.Array, spec: CodecSpec, implementation: str):
     values, nonfinite, saturated = int4_rotated_input(x.astype(jnp.float32))
     y = rotate(values, spec.rotation_seed)
