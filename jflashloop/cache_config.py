@@ -8,6 +8,7 @@ import math
 from .codec_spec import INT4_KEYS, INT4_VALUES, CodecSpec
 
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,9 @@ class CacheConfig:
 
     Every count above (and ``LoopStorage.sparse_rows_per_page``) must be a
     Python ``int``: a float or a bool raises ``TypeError``, a value out of
-    range ``ValueError``.
+    range ``ValueError`` (the cache indexes pages, slots and tokens with
+    int32, so every count and ``max_pages_per_sequence * page_size`` must be
+    below 2**31).
     """
 
     num_layers: int
@@ -85,6 +88,14 @@ class CacheConfig:
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_pages", "max_sequences",
                      "max_pages_per_sequence", "page_size", "sink_tokens", "recent_tokens"):
             _check_int(f"CacheConfig.{name}", getattr(self, name))
+            if getattr(self, name) > INT32_MAX:
+                raise ValueError(f"CacheConfig.{name} must be < 2**31 (the cache indexes with int32), "
+                                 f"got {getattr(self, name)}")
+        if self.max_pages_per_sequence * self.page_size > INT32_MAX:
+            raise ValueError(
+                "CacheConfig.max_pages_per_sequence * page_size must be < 2**31 (lengths are int32), got "
+                f"{self.max_pages_per_sequence * self.page_size}"
+            )
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_pages", "max_sequences",
                      "max_pages_per_sequence"):
             value = getattr(self, name)

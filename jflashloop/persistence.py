@@ -318,7 +318,7 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(path, *, now: float | None = None) -> list[str]:
+def remove_stale_temporaries(path) -> list[str]:
     """Remove the temporary files an interrupted save of ``path`` left behind.
 
     A file next to ``path`` is removed only if all of these hold: its name is
@@ -335,7 +335,7 @@ def remove_stale_temporaries(path, *, now: float | None = None) -> list[str]:
     path = _file_path(path)
     directory, name = os.path.split(os.path.abspath(path))
     pattern = _temporary_pattern(name)
-    now = time.time() if now is None else now
+    now = time.time()
     removed = []
     with os.scandir(directory) as entries:
         for entry in entries:

@@ -306,11 +306,14 @@ def _edited(path: str, value=None, *, delete: bool = False):
         (_edited("config.loops.0", 7), "not a valid CacheConfig"),
         (_edited("config.num_layers", 10**9), "implies at least 1000000000 x 1 arrays \\(layers x loops\\), the file holds \\d+"),
         (_edited("config.recent_tokens", 3.5), "not a valid CacheConfig"),
+        (_edited("config.num_pages", 2**40), "not a valid CacheConfig: CacheConfig.num_pages must be < 2\\*\\*31"),
     ],
 )
 def test_hand_built_headers_with_valid_checksums_load_nothing(change, message):
     with pytest.raises(PersistenceError, match=message):
         persistence.cache_from_bytes(_with_header(tiny_files()["cache"], change))
+    with pytest.raises(PersistenceError):
+        persistence.pages_from_bytes(_with_header(tiny_files()["bundle"], change))
 
 
 @pytest.mark.parametrize(

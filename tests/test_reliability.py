@@ -132,6 +132,8 @@ BAD_INPUTS = [
      TypeError, "CacheConfig.page_size must be an int, got float 16.0"),
     ("CacheConfig: bool recent_tokens", lambda: dataclasses.replace(CONFIG, recent_tokens=True),
      TypeError, "CacheConfig.recent_tokens must be an int, got bool True"),
+    ("CacheConfig: a count beyond int32", lambda: dataclasses.replace(CONFIG, num_pages=2**31),
+     ValueError, "CacheConfig.num_pages must be < 2\\*\\*31 \\(the cache indexes with int32\\), got 2147483648"),
     ("CacheConfig: float sparse_rows_per_page",
      lambda: dataclasses.replace(CONFIG, loops=(CONFIG.loops[0], LoopStorage(jflashloop.INT4_VALUES,
                                                                              jflashloop.INT4_VALUES, 3.5))),
