@@ -8,6 +8,7 @@ import math
 from .codec_spec import INT4_KEYS, INT4_VALUES, CodecSpec
 
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,12 @@ def sparse_loop(fraction: float, page_size: int, spec: CodecSpec = INT4_VALUES) 
     return LoopStorage(spec, spec, max(1, math.ceil(fraction * page_size)))
 
 
+def _check_int(name: str, value) -> None:
+    """``value`` must be a Python int (a bool is not one); raises ``TypeError``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """Shapes and policy of a :class:`~jflashloop.PagedKVCache` (static under jit).
@@ -57,6 +64,12 @@ class CacheConfig:
       sink_tokens: first tokens of each sequence kept in ``window_dtype``.
       recent_tokens: most recent tokens of each sequence kept in ``window_dtype``.
       window_dtype: dtype of the unquantized windows (``"bfloat16"``).
+
+    Every count above (and ``LoopStorage.sparse_rows_per_page``) must be a
+    Python ``int``: a float or a bool raises ``TypeError``, a value out of
+    range ``ValueError`` (the cache indexes pages, slots and tokens with
+    int32, so every count and ``max_pages_per_sequence * page_size`` must be
+    below 2**31).
     """
 
     num_layers: int
@@ -73,9 +86,20 @@ class CacheConfig:
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_pages", "max_sequences",
+                     "max_pages_per_sequence", "page_size", "sink_tokens", "recent_tokens"):
+            _check_int(f"CacheConfig.{name}", getattr(self, name))
+            if getattr(self, name) > INT32_MAX:
+                raise ValueError(f"CacheConfig.{name} must be < 2**31 (the cache indexes with int32), "
+                                 f"got {getattr(self, name)}")
+        if self.max_pages_per_sequence * self.page_size > INT32_MAX:
+            raise ValueError(
+                "CacheConfig.max_pages_per_sequence * page_size must be < 2**31 (lengths are int32), got "
+                f"{self.max_pages_per_sequence * self.page_size}"
+            )
+        for name in ("num_layers", "num_kv_heads", "head_dim", "num_pages", "max_sequences",
                      "max_pages_per_sequence"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if value < 1:
                 raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
         if self.head_dim % 8:
             raise ValueError(
@@ -86,6 +110,11 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.page_size must be one of {SUPPORTED_PAGE_SIZES}, got {self.page_size}")
         if not isinstance(self.loops, tuple) or not self.loops:
             raise ValueError("CacheConfig.loops must be a non-empty tuple of LoopStorage")
+        for index, loop in enumerate(self.loops):
+            if not isinstance(loop, LoopStorage):
+                raise TypeError(f"CacheConfig.loops[{index}] must be a LoopStorage, got {type(loop).__name__}")
+            if loop.sparse_rows_per_page is not None:
+                _check_int(f"CacheConfig.loops[{index}].sparse_rows_per_page", loop.sparse_rows_per_page)
         if self.loops[0].is_sparse:
             raise ValueError("CacheConfig.loops[0] (the base) must be dense")
         if not 0 <= self.sink_tokens < self.page_size:

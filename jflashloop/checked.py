@@ -17,6 +17,10 @@ concrete arrays), and raise instead:
 
 They then run the ordinary jitted computation, so results are bit-identical
 to the unchecked API. The checks cost one pass over the inputs on the host.
+Arguments of the wrong kind or shape raise the unchecked API's ``TypeError``
+/ ``ValueError`` (naming the argument and the expected layout) before any
+value is read; called under ``jit`` (with traced arguments) every function
+here raises ``TypeError``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from . import codecs, paged_cache, residual
 from .codec_spec import CodecSpec
 from .packed import Packed
 from .paged_cache import PagedKVCache
-from .validation import SaturationError, require_finite
+from .validation import SaturationError, require_concrete, require_finite
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "implementation"))
@@ -50,11 +54,11 @@ def _raise_on_statistics(name: str, statistics, spec: CodecSpec, allow_saturatio
             "huge finite values)"
         )
     if saturated and not allow_saturation:
-        limit = (
-            "its group's float16 min or scale would exceed 65504"
-            if spec.format == "int4"
-            else "it is at least 7/6 of the largest value the global scale can represent (6 * 448 * global_scale)"
-        )
+        limit = {
+            "int4": "its group's float16 min or scale would exceed 65504",
+            "int4_rotated": "its magnitude is beyond int4_rotated's input limit 2**64",
+        }.get(spec.format, "it is at least 7/6 of the largest value the global scale can represent "
+                           "(6 * 448 * global_scale)")
         raise SaturationError(
             f"{name}: {saturated} element(s) would saturate ({limit}); pass allow_saturation=True to "
             "store them saturated"
@@ -75,7 +79,9 @@ def encode(
       NonFiniteInputError: ``x`` holds NaN or +-inf.
       SaturationError: some element would be stored saturated.
     """
+    require_concrete("checked.encode", x=x, global_scale=global_scale)
     codecs._check_input(x, spec)
+    codecs._check_global_scale(global_scale, spec)
     require_finite("x", x)
     packed, statistics = _encode_with_statistics(x, global_scale, spec, implementation)
     _raise_on_statistics("x", statistics, spec, allow_saturation)
@@ -97,6 +103,7 @@ def encode_residual(
       NonFiniteInputError: ``target`` or ``predecessor`` holds NaN or +-inf.
       SaturationError: the difference overflows float32 or would saturate.
     """
+    require_concrete("checked.encode_residual", target=target, predecessor=predecessor, positions=positions)
     require_finite("target", target)
     require_finite("predecessor", predecessor)
     encoded = residual.encode_residual(target, predecessor, spec, positions, implementation=implementation)
@@ -134,9 +141,9 @@ def prefill(
       NonFiniteInputError: NaN or +-inf among the first ``length`` tokens.
       SaturationError: a value would be stored at its format's limit.
     """
-    tokens = keys.shape[2] if keys.ndim == 5 else None
-    if tokens is None:
-        paged_cache.prefill(cache, slot, keys, values, length)  # raises the shape error
+    require_concrete("checked.prefill", cache=cache, slot=slot, keys=keys, values=values, length=length)
+    paged_cache.check_prefill_arrays(cache, keys, values)
+    tokens = keys.shape[2]
     length = tokens if length is None else length
     paged_cache.check_prefill_values(cache, slot, tokens, length)
     kept = int(length)
@@ -165,6 +172,8 @@ def append(
         free pages than sequences that complete a page with this token.
       SaturationError: a value would be stored at its format's limit.
     """
+    require_concrete("checked.append", cache=cache, keys=keys, values=values)
+    paged_cache.check_append_arrays(cache, keys, values)
     c = cache.config
     active = np.asarray(cache.active)
     lengths = np.asarray(cache.lengths)
@@ -180,9 +189,8 @@ def append(
         raise ValueError(
             f"{completing} sequence(s) complete a page with this token, the pool has {available} free pages"
         )
-    if keys.ndim == 5 and values.ndim == 5:
-        require_finite("keys (active sequences)", np.asarray(keys)[:, :, active])
-        require_finite("values (active sequences)", np.asarray(values)[:, :, active])
+    require_finite("keys (active sequences)", np.asarray(keys)[:, :, active])
+    require_finite("values (active sequences)", np.asarray(values)[:, :, active])
     updated = _append(cache, keys, values, implementation=implementation)
     if not allow_saturation:
         _raise_on_new_saturation(cache, updated)

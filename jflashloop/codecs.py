@@ -48,6 +48,12 @@ def _check_input(x, spec, name: str = "x") -> None:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
+def _as_float32(global_scale) -> np.ndarray:
+    """A concrete value as the float32 the encoder uses (1e39 becomes inf)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.asarray(global_scale).astype(np.float32)
+
+
 def _check_global_scale(global_scale, spec: CodecSpec) -> None:
     if global_scale is None:
         return
@@ -59,11 +65,13 @@ def _check_global_scale(global_scale, spec: CodecSpec) -> None:
         )
     if isinstance(global_scale, jax.core.Tracer):
         return
-    value = np.asarray(global_scale, dtype=np.float64)
-    if not (np.isfinite(value).all() and (value >= MINIMUM_GIVEN_GLOBAL_SCALE).all()):
+    value = _as_float32(global_scale).reshape(())
+    if not (np.isfinite(value) and value >= MINIMUM_GIVEN_GLOBAL_SCALE):
+        given = np.asarray(global_scale).reshape(()).item()
+        as_float32 = f" ({value.item()} as a float32)" if np.isinf(value) and np.isfinite(given) else ""
         raise ValueError(
             "global_scale must be one finite positive float32 number >= 2**-116 "
-            f"(so no scale product is subnormal), got {np.asarray(global_scale).tolist()}"
+            f"(so no scale product is subnormal), got {given}{as_float32}"
         )
 
 
@@ -85,7 +93,8 @@ def encode(
       global_scale: NVFP4 only: float32 scalar decode multiplier to use instead
         of the tensor's own ``max(amax(|x|), 1e-12) / (6 * 448)`` (for a
         streamed cache whose amax is not known in advance); at least
-        ``2**-116``. Values beyond what it can represent saturate to
+        ``2**-116`` and finite *as a float32* (so ``1e39``, which rounds to
+        inf, is refused). Values beyond what it can represent saturate to
         +-6 * 448 * global_scale (counted by :func:`encode_with_statistics`).
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or
         ``"pallas"``. Both are bit-exact on CPU; on GPU only ``"pallas"`` is,
@@ -133,7 +142,7 @@ def encode_with_statistics(
     bit). The :class:`EncodeStatistics` count the NaN/+-inf elements and the
     finite elements stored beyond the format's range (``docs/reliability.md``
     defines both); they are computed in the same ``jit``, from values the
-    encode already has.
+    encode already has. Defined for ``int4``, ``nvfp4`` and ``int4_rotated``.
 
     Returns:
       ``(packed, statistics)``; both counts are int32 ``[]``.
@@ -147,17 +156,23 @@ def encode_with_statistics(
       (1, 3)
     """
     _check_input(x, spec)
-    _check_statistics_format(spec)
+    _check_statistics_format(spec, tuple(x.shape))
     _check_global_scale(global_scale, spec)
     implementation = numerics.resolve_implementation(implementation)
     if spec.format == "int4":
         return encode_int4_with_statistics(x, spec, implementation)
+    if spec.format == "int4_rotated":
+        return rotated_codecs.encode_int4_rotated_with_statistics(x, spec, implementation)
     return encode_nvfp4_with_statistics(x, spec, implementation, global_scale)
 
 
-def _check_statistics_format(spec: CodecSpec) -> None:
-    if spec.format not in ("int4", "nvfp4"):
-        raise ValueError(f"encode statistics are defined for the int4 and nvfp4 formats, got {spec.format!r}")
+STATISTICS_FORMATS = ("int4", "nvfp4", "int4_rotated")
+
+
+def _check_statistics_format(spec: CodecSpec, shape: tuple[int, int, int]) -> None:
+    if spec.format not in STATISTICS_FORMATS:
+        raise ValueError(f"encode statistics are defined for the formats {STATISTICS_FORMATS}, got {spec.format!r}")
+    spec.check_shape(shape)
 
 
 def count_saturations(
@@ -169,15 +184,18 @@ def count_saturations(
 ) -> EncodeStatistics:
     """The :class:`EncodeStatistics` that :func:`encode` of ``x`` would have.
 
-    INT4 computes only the group statistics (no codes); NVFP4 needs the
-    quotients, so it encodes and drops the payload (free under ``jit``).
+    INT4 computes only the group statistics (no codes); ``int4_rotated``
+    only its input rule; NVFP4 needs the quotients, so it encodes and drops
+    the payload (free under ``jit``).
     """
     _check_input(x, spec)
-    _check_statistics_format(spec)
+    _check_statistics_format(spec, tuple(x.shape))
     _check_global_scale(global_scale, spec)
     implementation = numerics.resolve_implementation(implementation)
     if spec.format == "int4":
         return int4_statistics(x, spec, implementation)
+    if spec.format == "int4_rotated":
+        return rotated_codecs.int4_rotated_statistics(x)
     return encode_nvfp4_with_statistics(x, spec, implementation, global_scale)[1]
 
 
@@ -219,7 +237,11 @@ def decode(packed: Packed, dtype=jnp.float32) -> jax.Array:
     """Decode a :class:`Packed` back to ``[tokens, kv_heads, channels]``.
 
     Values are computed in float32 (INT4: ``code * scale + min``; NVFP4:
-    ``e2m1 * scale * global_scale``) and cast to ``dtype`` (RNE).
+    ``e2m1 * scale * global_scale``) and cast to ``dtype`` (RNE), saturating:
+    a finite value beyond ``dtype``'s range decodes to its largest finite
+    value of the same sign. (INT4 of a float16 group spanning -65504..65504
+    decodes its top code to 65536 in float32, which float16 would round to
+    inf: it decodes to 65504, the input's own value.)
 
     Args:
       packed: the output of :func:`encode`.
@@ -238,4 +260,6 @@ def decode(packed: Packed, dtype=jnp.float32) -> jax.Array:
         decoded = decode_int4(packed)
     else:
         decoded = decode_nvfp4(packed)
-    return decoded.astype(dtype)
+    if np.dtype(dtype) == np.float32:
+        return decoded
+    return numerics.cast_saturating(decoded, dtype)[0]

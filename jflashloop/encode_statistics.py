@@ -26,7 +26,10 @@ class EncodeStatistics:
         magnitude (float16 rounding would give inf; jflashloop stores +-65504);
         NVFP4: elements with ``|x| / (local * global) >= 7`` (beyond the
         largest E2M1 magnitude 6 by more than E2M1's own rounding: only when
-        the block scale is clamped at 448, i.e. the global scale is too small).
+        the block scale is clamped at 448, i.e. the global scale is too small),
+        and every finite element when the global scale is not finite (a traced
+        one; a concrete one is refused); ``int4_rotated``: finite elements
+        beyond +-2**64, stored as +-2**64 (its NaN and +-inf are read as 0).
     """
 
     nonfinite: jax.Array

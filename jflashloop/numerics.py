@@ -126,6 +126,22 @@ def round_to_e4m3(x: jax.Array) -> jax.Array:
     return jnp.where(x >= E4M3_MIN_NORMAL, normal, subnormal)
 
 
+def cast_saturating(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """float32 ``x`` rounded to ``dtype`` (RNE), saturating instead of overflowing.
+
+    A finite value that ``dtype`` rounds to +-inf becomes ``dtype``'s largest
+    finite value of the same sign (float16: +-65504); NaN and +-inf are kept.
+
+    Returns:
+      ``(values, overflow)``: ``dtype`` values and a bool mask of the finite
+      elements that saturated, both of ``x``'s shape.
+    """
+    rounded = x.astype(dtype)
+    overflow = jnp.isfinite(x) & jnp.isinf(rounded)
+    largest = jnp.asarray(jnp.finfo(dtype).max, dtype)
+    return jnp.where(overflow, jnp.where(x > 0, largest, -largest), rounded), overflow
+
+
 def flush_subnormals(x: jax.Array) -> jax.Array:
     """float32 ``x`` with subnormal values (``0 < |x| < 2**-126``) replaced by a zero of the same sign.
 

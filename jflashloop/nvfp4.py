@@ -112,10 +112,16 @@ def _encode(x: jax.Array, spec: CodecSpec, implementation: str, global_scale: ja
     return packed, blocks, quotient
 
 
-def _statistics(blocks: jax.Array, quotient: jax.Array) -> EncodeStatistics:
-    """Counts over zero-padded blocks (padding is finite and codes 0, so it counts nowhere)."""
+def _statistics(blocks: jax.Array, quotient: jax.Array, global_scale: jax.Array, channels: int) -> EncodeStatistics:
+    """Counts over zero-padded blocks of ``channels`` real channels (padding counts nowhere).
+
+    A non-finite global scale (only a traced one gets past the argument
+    check) decodes every element to NaN or inf: every finite element counts
+    as saturated.
+    """
     finite = jnp.isfinite(blocks)
-    saturated = finite & (quotient >= SATURATION_QUOTIENT)
+    real = (jnp.arange(blocks.shape[-2] * blocks.shape[-1]) < channels).reshape(blocks.shape[-2:])
+    saturated = finite & real & ((quotient >= SATURATION_QUOTIENT) | ~jnp.isfinite(global_scale))
     return EncodeStatistics(nonfinite=count(~finite), saturated=count(saturated))
 
 
@@ -136,7 +142,7 @@ def encode_nvfp4_with_statistics(
 ) -> tuple[Packed, EncodeStatistics]:
     """:func:`encode_nvfp4` and its :class:`EncodeStatistics`."""
     packed, blocks, quotient = _encode(x, spec, implementation, global_scale)
-    return packed, _statistics(blocks, quotient)
+    return packed, _statistics(blocks, quotient, packed.global_scale, x.shape[2])
 
 
 def e2m1_values(codes: jax.Array) -> jax.Array:

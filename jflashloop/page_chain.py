@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from .cache_config import CacheConfig
+from .codec_spec import CodecSpec
 from .paged_stream import (
     PagedStream,
     can_encode_page_pairs,
@@ -31,6 +32,7 @@ from .paged_stream import (
     encode_page_pairs,
     encode_tiles,
 )
+from .rotated_codecs import int4_rotated_input
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +112,21 @@ def _scatter_add_rows(x: jax.Array, positions: jax.Array, rows: jax.Array) -> ja
     return x.at[page_index, positions, head_index].add(updates, mode="drop")
 
 
+def input_saturations(rows: jax.Array, spec: CodecSpec) -> jax.Array:
+    """int32 ``[pages]``: elements of ``rows`` ``[pages, rows, kv_heads, head_dim]``
+    that ``spec``'s input rule stores at its limit, unseen in the stored metadata.
+
+    ``int4_rotated`` (:func:`~jflashloop.rotated_codecs.int4_rotated_input`):
+    values beyond +-2**64, and non-finite ones (a residual that overflowed
+    float32). The other formats count from their stored metadata instead
+    (``paged_cache``), so they give 0 here.
+    """
+    if spec.format != "int4_rotated":
+        return jnp.zeros((rows.shape[0],), jnp.int32)
+    _, nonfinite, saturated = int4_rotated_input(rows)
+    return jnp.sum(nonfinite | saturated, axis=(1, 2, 3), dtype=jnp.int32)
+
+
 def pack_pages(
     keys: jax.Array,
     values: jax.Array,
@@ -127,10 +144,23 @@ def pack_pages(
     Returns:
       One :class:`LoopTiles` per loop, each holding ``pages`` tiles.
     """
+    return pack_pages_with_saturations(keys, values, page_numbers, config, implementation)[0]
+
+
+def pack_pages_with_saturations(
+    keys: jax.Array,
+    values: jax.Array,
+    page_numbers: jax.Array,
+    config: CacheConfig,
+    implementation: str | None = None,
+) -> tuple[tuple[LoopTiles, ...], jax.Array]:
+    """:func:`pack_pages`, and int32 ``[pages]``: each page's :func:`input_saturations`
+    summed over every loop's K and V."""
     page_size = config.page_size
     positions_in_sequence = page_numbers[:, None] * page_size + jnp.arange(page_size)[None, :]
     eligible = positions_in_sequence >= config.sink_tokens
 
+    saturated = jnp.zeros(page_numbers.shape, jnp.int32)
     tiles = []
     reconstructed_keys = reconstructed_values = None
     for loop_index, storage in enumerate(config.loops):
@@ -161,6 +191,8 @@ def pack_pages(
             value_rows = _gather_rows(value_rows, positions)
             row_positions = jnp.where(positions < page_size, positions, -1).astype(jnp.int8)
             row_positions = row_positions.transpose(1, 0, 2)  # [heads, pages, rows]
+        saturated = saturated + input_saturations(key_rows, storage.key_spec)
+        saturated = saturated + input_saturations(value_rows, storage.value_spec)
         key_tiles = encode_tiles(key_rows, storage.key_spec, implementation)
         value_tiles = encode_tiles(value_rows, storage.value_spec, implementation)
         loop_tiles = LoopTiles(key_tiles, value_tiles, row_positions)
@@ -169,7 +201,7 @@ def pack_pages(
             reconstructed_keys, reconstructed_values = apply_loop(
                 loop_tiles, reconstructed_keys, reconstructed_values
             )
-    return tuple(tiles)
+    return tuple(tiles), saturated
 
 
 def apply_loop(

@@ -57,8 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache_config import CacheConfig
-from .numerics import FLOAT16_MAX, flush_subnormals
-from .page_chain import LoopTiles, pack_pages, unpack_pages
+from .numerics import FLOAT16_MAX, cast_saturating, flush_subnormals
+from .page_chain import LoopTiles, pack_pages_with_saturations, unpack_pages
 from .paged_stream import PagedStream, empty_stream
 from .validation import (
     CacheStateError,
@@ -128,7 +128,8 @@ class PagedKVCache:
         stored at their format's limit: window values beyond the window
         dtype's range (stored as its largest finite value) and members of INT4
         groups whose float16 min or scale is +-65504 (or of NVFP4 tiles with a
-        non-finite tensor scale) when their page is packed.
+        non-finite tensor scale, or ``int4_rotated`` values beyond +-2**64)
+        when their page is packed.
       config: :class:`CacheConfig`.
     """
 
@@ -235,10 +236,7 @@ def _stored_values(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array
     """
     x = x.astype(jnp.float32)
     finite = jnp.isfinite(x)
-    rounded = x.astype(dtype)
-    overflow = finite & jnp.isinf(rounded)
-    largest = jnp.asarray(jnp.finfo(dtype).max, dtype)
-    rounded = jnp.where(overflow, jnp.where(x > 0, largest, -largest), rounded)
+    rounded, overflow = cast_saturating(x, dtype)
     rounded = jnp.where(finite, rounded, jnp.zeros((), dtype))
     return flush_subnormals(rounded.astype(jnp.float32)), ~finite, overflow
 
@@ -254,7 +252,9 @@ def _stream_saturations(stream: PagedStream) -> jax.Array:
 
     INT4: members of groups whose float16 min or scale is +-65504 or not
     finite (what saturation stores); NVFP4: every element of a tile whose
-    float32 tensor scale is not finite. Other formats are not counted.
+    float32 tensor scale is not finite. ``int4_rotated`` is counted from its
+    input instead (``page_chain.input_saturations``); the other rotated
+    formats are not counted.
     """
     spec = stream.spec
     if spec.format not in ("int4", "nvfp4"):
@@ -282,13 +282,44 @@ def _tile_saturations(tiles: tuple[LoopTiles, ...]) -> jax.Array:
 
 
 def _check_kv(name: str, x, expected: tuple[int, ...], layout: str) -> None:
-    """Shape must be ``expected`` (``None`` entries are free) and dtype floating."""
-    shape = tuple(getattr(x, "shape", ()))
+    """An array (not a nested list) whose shape is ``expected`` (``None`` entries are free), of a float dtype."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}")
+    shape = tuple(x.shape)
     if len(shape) != len(expected) or any(e is not None and e != g for e, g in zip(expected, shape, strict=True)):
         raise ValueError(f"{name} must be {layout}, got shape {shape}")
     dtype = np.dtype(x.dtype)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
         raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, float16), got {dtype}")
+
+
+def check_prefill_arrays(cache: PagedKVCache, keys, values) -> None:
+    """``prefill``'s checks of ``keys`` and ``values`` (static: shapes and dtypes).
+
+    Both must be arrays ``[layers, loops, tokens, kv_heads, head_dim]`` of
+    the cache's shape, of a float dtype, of equal shapes, with ``tokens >= 1``.
+    """
+    c = cache.config
+    layout = (f"[layers={c.num_layers}, loops={c.num_loops}, tokens, "
+              f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
+    expected = (c.num_layers, c.num_loops, None, c.num_kv_heads, c.head_dim)
+    _check_kv("keys", keys, expected, layout)
+    _check_kv("values", values, expected, layout)
+    if tuple(values.shape) != tuple(keys.shape):
+        raise ValueError(f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}")
+    if keys.shape[2] == 0:
+        raise ValueError("keys must hold at least one token (pass length=0 with padding for an empty prompt)")
+
+
+def check_append_arrays(cache: PagedKVCache, keys, values) -> None:
+    """``append``'s checks of ``keys`` and ``values``: arrays
+    ``[layers, loops, max_sequences, kv_heads, head_dim]`` of a float dtype."""
+    c = cache.config
+    expected = (c.num_layers, c.num_loops, c.max_sequences, c.num_kv_heads, c.head_dim)
+    layout = (f"[layers={c.num_layers}, loops={c.num_loops}, max_sequences={c.max_sequences}, "
+              f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
+    _check_kv("keys", keys, expected, layout)
+    _check_kv("values", values, expected, layout)
 
 
 def check_prefill_values(cache: PagedKVCache, slot, tokens: int, length) -> None:
@@ -355,16 +386,8 @@ def prefill(
         module docstring); non-finite K/V are stored as 0 and counted.
     """
     c = cache.config
-    layout = (f"[layers={c.num_layers}, loops={c.num_loops}, tokens, "
-              f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
-    expected = (c.num_layers, c.num_loops, None, c.num_kv_heads, c.head_dim)
-    _check_kv("keys", keys, expected, layout)
-    if tuple(values.shape) != tuple(keys.shape):
-        raise ValueError(f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}")
-    _check_kv("values", values, expected, layout)
+    check_prefill_arrays(cache, keys, values)
     tokens = keys.shape[2]
-    if tokens == 0:
-        raise ValueError("keys must hold at least one token (pass length=0 with padding for an empty prompt)")
     if length is None:
         length = tokens
     check_prefill_values(cache, slot, tokens, length)
@@ -411,8 +434,8 @@ def prefill(
                 c.num_loops, max_full, page_size, c.num_kv_heads, c.head_dim
             )
             pages_v = layer_values[:, : max_full * page_size].reshape(pages_k.shape)
-            tiles = pack_pages(pages_k, pages_v, page_numbers, c, implementation)
-            saturated = saturated + jnp.sum(jnp.where(granted, _tile_saturations(tiles), 0))
+            tiles, unseen = pack_pages_with_saturations(pages_k, pages_v, page_numbers, c, implementation)
+            saturated = saturated + jnp.sum(jnp.where(granted, _tile_saturations(tiles) + unseen, 0))
             loops = tuple(pool.put(page_ids, new) for pool, new in zip(loops, tiles, strict=True))
         # [loops, tokens, H, D] -> [loops, H, tokens, D] for the head-major windows.
         head_major_k = layer_keys.transpose(0, 2, 1, 3).astype(cache.window_dtype)
@@ -525,8 +548,8 @@ def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementat
     saturated = jnp.zeros((c.max_sequences,), jnp.int32)
     for layer in cache.layers:
         pages_k, pages_v = page_rows(layer.ring_keys), page_rows(layer.ring_values)
-        tiles = pack_pages(pages_k, pages_v, jnp.maximum(page_number, 0), c, implementation)
-        saturated = saturated + jnp.where(granted, _tile_saturations(tiles), 0)
+        tiles, unseen = pack_pages_with_saturations(pages_k, pages_v, jnp.maximum(page_number, 0), c, implementation)
+        saturated = saturated + jnp.where(granted, _tile_saturations(tiles) + unseen, 0)
         loops = tuple(pool.put(page_ids, new) for pool, new in zip(layer.loops, tiles, strict=True))
         new_layers.append(dataclasses.replace(layer, loops=loops))
     errors = errors | jnp.where(saturated > 0, ERROR_SATURATED, 0)
@@ -574,11 +597,7 @@ def append(
       The new cache (use ``jax.jit(append, donate_argnums=0)`` to update in place).
     """
     c = cache.config
-    expected = (c.num_layers, c.num_loops, c.max_sequences, c.num_kv_heads, c.head_dim)
-    layout = (f"[layers={c.num_layers}, loops={c.num_loops}, max_sequences={c.max_sequences}, "
-              f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
-    _check_kv("keys", keys, expected, layout)
-    _check_kv("values", values, expected, layout)
+    check_append_arrays(cache, keys, values)
     for layer in range(c.num_layers):
         for loop in range(c.num_loops):
             cache = write_token(cache, layer, loop, keys[layer, loop], values[layer, loop])

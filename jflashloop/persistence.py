@@ -29,21 +29,28 @@ flags, counters), ``data_nbytes`` and ``arrays``: one entry per array with
 start), ``nbytes`` and ``sha256``.
 
 Loading checks the magic, the version, the header checksum, the file size,
-that padding is zero, every array's name, dtype, shape and SHA-256, and (for a cache) its
-bookkeeping (:func:`jflashloop.paged_cache.validate`) before building
-anything: a corrupt, truncated or version-mismatched file raises
-:class:`PersistenceError` and loads nothing.
+the header's fields and their JSON types, that padding is zero, every
+array's name, dtype, shape and SHA-256, and (for a cache) its bookkeeping
+(:func:`jflashloop.paged_cache.validate`) before building anything: a
+corrupt, truncated, hand-built or version-mismatched file raises
+:class:`PersistenceError` and loads nothing. Every size read from the file
+is checked against the file's size before anything of that size is allocated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import io
 import json
+import math
 import os
+import re
+import secrets
 import struct
 import sys
+import time
 from collections.abc import Mapping
 from typing import BinaryIO
 
@@ -156,15 +163,66 @@ def _write(stream: BinaryIO, kind: str, config: CacheConfig, metadata: dict, arr
     stream.write(b"\0" * (offset - written))
 
 
+def _remaining(stream: BinaryIO) -> int:
+    """Bytes between the stream's position and its end (the stream must be seekable)."""
+    position = stream.tell()
+    end = stream.seek(0, io.SEEK_END)
+    stream.seek(position)
+    return end - position
+
+
 def _read_exactly(stream: BinaryIO, size: int, what: str) -> bytes:
+    """``size`` bytes, refused before anything is allocated if the file holds fewer."""
+    available = _remaining(stream)
+    if size > available:
+        raise PersistenceError(f"file is truncated: expected {size} bytes of {what}, got {available}")
     data = stream.read(size)
     if len(data) != size:
         raise PersistenceError(f"file is truncated: expected {size} bytes of {what}, got {len(data)}")
     return data
 
 
+def _is_count(value) -> bool:
+    """A JSON integer >= 0 (not a bool, not a float)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+_ENTRY_FIELDS = {"name": str, "dtype": str, "shape": list, "offset": int, "nbytes": int, "sha256": str}
+
+
+def _header_problem(header, kind: str) -> str | None:
+    """Why a parsed JSON header is not one of ``kind`` (None when its fields are well formed)."""
+    if not isinstance(header, dict):
+        return f"the header is a JSON {type(header).__name__}, not an object"
+    if header.get("format") != kind:
+        return f"file holds {header.get('format')!r}, expected {kind!r}"
+    if header.get("format_version") != FORMAT_VERSION:
+        return f"header format_version {header.get('format_version')} != {FORMAT_VERSION}"
+    for key, kind_of_value in (("config", dict), ("metadata", dict), ("arrays", list)):
+        if not isinstance(header.get(key), kind_of_value):
+            return f"header field {key!r} must be a JSON {kind_of_value.__name__}"
+    if not _is_count(header.get("data_nbytes")):
+        return "header field 'data_nbytes' must be an integer >= 0"
+    names = set()
+    for index, entry in enumerate(header["arrays"]):
+        if not isinstance(entry, dict) or any(not isinstance(entry.get(f), t) for f, t in _ENTRY_FIELDS.items()):
+            return f"arrays[{index}] must hold {', '.join(_ENTRY_FIELDS)} of the documented types"
+        if entry["dtype"] not in _DTYPES:
+            return f"array {entry['name']}: unsupported dtype {entry['dtype']!r}"
+        if not all(_is_count(v) for v in (entry["offset"], entry["nbytes"], *entry["shape"])):
+            return f"array {entry['name']}: offset, nbytes and shape must be integers >= 0"
+        if entry["name"] in names:
+            return f"array {entry['name']} appears twice"
+        names.add(entry["name"])
+    return None
+
+
 def _read(stream: BinaryIO, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """Read and verify a file; returns ``(header, {name: array})``."""
+    """Read and verify a file; returns ``(header, {name: array})``.
+
+    Every size read from the file is checked against what the file holds
+    before anything of that size is allocated.
+    """
     prefix = _read_exactly(stream, _PREFIX.size, "the fixed prefix")
     magic, version, header_length, header_digest = _PREFIX.unpack(prefix)
     if magic != MAGIC:
@@ -178,12 +236,11 @@ def _read(stream: BinaryIO, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
         raise PersistenceError("header checksum mismatch: the header is corrupt")
     try:
         header = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise PersistenceError(f"the header is not valid JSON: {error}") from error
-    if header.get("format") != kind:
-        raise PersistenceError(f"file holds {header.get('format')!r}, expected {kind!r}")
-    if header.get("format_version") != FORMAT_VERSION:
-        raise PersistenceError(f"header format_version {header.get('format_version')} != {FORMAT_VERSION}")
+    problem = _header_problem(header, kind)
+    if problem:
+        raise PersistenceError(problem)
     position = _PREFIX.size + header_length
     if any(_read_exactly(stream, _aligned(position) - position, "the header padding")):
         raise PersistenceError("the padding after the header is not zero: the file is corrupt")
@@ -194,13 +251,11 @@ def _read(stream: BinaryIO, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
     arrays = {}
     for entry in header["arrays"]:
         name = entry["name"]
-        if entry["dtype"] not in _DTYPES:
-            raise PersistenceError(f"array {name}: unsupported dtype {entry['dtype']!r}")
         dtype = np.dtype(jnp.dtype(entry["dtype"]))
-        shape = tuple(int(size) for size in entry["shape"])
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        start = int(entry["offset"])
-        if nbytes != entry["nbytes"] or start < 0 or start + nbytes > len(data):
+        shape = tuple(entry["shape"])
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = entry["offset"]
+        if nbytes != entry["nbytes"] or start + nbytes > len(data):
             raise PersistenceError(f"array {name}: inconsistent size or offset in the header")
         raw = data[start : start + nbytes]
         if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
@@ -212,14 +267,124 @@ def _read(stream: BinaryIO, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
     return header, arrays
 
 
-def _write_file(path, kind, config, metadata, arrays) -> None:
-    """Write atomically: a temporary file in the same folder, then a rename."""
-    path = os.fspath(path)
-    temporary = f"{path}.tmp-{os.getpid()}"
+def _stored_config(header: dict, arrays: dict) -> CacheConfig:
+    """The header's config, refused before its arrays are laid out if it implies more arrays than stored."""
+    config = config_from_json(header["config"])
+    if config.num_layers * config.num_loops > len(arrays):
+        raise PersistenceError(
+            f"the stored config implies at least {config.num_layers} x {config.num_loops} arrays "
+            f"(layers x loops), the file holds {len(arrays)}"
+        )
+    return config
+
+
+def _file_path(path) -> str:
+    """``path`` (``str``, ``bytes`` or ``os.PathLike``) as a ``str`` (``os.fsdecode``).
+
+    Raises:
+      TypeError: anything else (an int would otherwise open a file descriptor).
+    """
     try:
-        with open(temporary, "wb") as stream:
+        return os.fsdecode(path)
+    except TypeError:
+        raise TypeError(f"path must be a str, bytes or os.PathLike, got {type(path).__name__}") from None
+
+
+TEMPORARY_MARK = ".tmp-"
+"""A save writes ``<name>.tmp-<pid>-<8 hex digits>`` next to ``<name>``, then renames it."""
+STALE_AFTER_SECONDS = 600.0
+"""A leftover temporary file is removed only once it is this old (and its writer is gone)."""
+
+
+def _temporary_pattern(name: str) -> re.Pattern:
+    """Temporary files of target ``name``: ``<name>.tmp-<pid>`` (older versions) or ``<name>.tmp-<pid>-<hex8>``."""
+    return re.compile(re.escape(name) + re.escape(TEMPORARY_MARK) + r"(\d+)(?:-[0-9a-f]{8})?")
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine; True whenever that cannot be told.
+
+    Only POSIX can ask without side effects (``os.kill(pid, 0)``; on Windows
+    ``os.kill`` terminates the process).
+    """
+    if os.name != "posix" or pid <= 0 or pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # PermissionError: it exists, owned by another user
+        return True
+    return True
+
+
+def remove_stale_temporaries(path) -> list[str]:
+    """Remove the temporary files an interrupted save of ``path`` left behind.
+
+    A file next to ``path`` is removed only if all of these hold: its name is
+    ``<name>.tmp-<pid>`` or ``<name>.tmp-<pid>-<8 hex digits>`` for this very
+    target; no process ``<pid>`` runs on this machine (POSIX; elsewhere
+    nothing is removed); and it was last modified at least
+    :data:`STALE_AFTER_SECONDS` ago (so a writer on another machine sharing
+    the folder, whose PID means nothing here, is not disturbed while it writes).
+    Other files, including other targets' temporaries, are never touched.
+
+    Returns:
+      The paths removed.
+    """
+    path = _file_path(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    pattern = _temporary_pattern(name)
+    now = time.time()
+    removed = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            match = pattern.fullmatch(entry.name)
+            if match is None or _process_alive(int(match.group(1))):
+                continue
+            try:
+                if not entry.is_file(follow_symlinks=False) or now - entry.stat().st_mtime < STALE_AFTER_SECONDS:
+                    continue
+                os.remove(entry.path)
+            except FileNotFoundError:  # another process cleaned it first
+                continue
+            removed.append(entry.path)
+    return removed
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make a rename inside ``directory`` durable (POSIX; Windows cannot open a folder)."""
+    if os.name != "posix":
+        return
+    descriptor = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP):  # file systems without folder fsync
+            raise
+    finally:
+        os.close(descriptor)
+
+
+def _write_file(path, kind, config, metadata, arrays) -> None:
+    """Write durably and atomically, as databases do.
+
+    Stale temporaries of ``path`` are removed first (:func:`remove_stale_temporaries`).
+    The data go to a new temporary file in the same folder, which is flushed
+    and fsync'ed, then renamed over ``path`` (``os.replace``: readers see the
+    old file or the new one, never a mix); the folder is then fsync'ed so
+    the rename survives a power loss. On any error the temporary file is removed.
+    """
+    path = _file_path(path)
+    remove_stale_temporaries(path)
+    temporary = f"{path}{TEMPORARY_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(temporary, "xb") as stream:
             _write(stream, kind, config, metadata, arrays)
+            stream.flush()
+            os.fsync(stream.fileno())
         os.replace(temporary, path)
+        _fsync_directory(os.path.dirname(os.path.abspath(path)))
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
@@ -264,8 +429,14 @@ def save(path, cache: PagedKVCache) -> None:
     """Write every array of ``cache`` (and its config) to ``path``, atomically.
 
     Args:
-      path: file to create or replace.
+      path: file to create or replace (``str``, ``bytes`` or ``os.PathLike``).
       cache: the cache; pending (written, uncommitted) ring tokens are saved too.
+
+    The data are written to a temporary file in the same folder, fsync'ed and
+    renamed over ``path``, and the folder is fsync'ed: after a crash or power
+    loss ``path`` holds the old file or the new one, whole. Temporary files
+    left by interrupted saves of ``path`` are removed first
+    (:func:`remove_stale_temporaries` gives the rule).
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -276,19 +447,19 @@ def load(path, *, config: CacheConfig | None = None) -> PagedKVCache:
     """Read a cache written by :func:`save`: bit-identical arrays.
 
     Args:
-      path: the file.
+      path: the file (``str``, ``bytes`` or ``os.PathLike``).
       config: if given, the stored config must equal it.
     Raises:
       PersistenceError: corrupt, truncated or version-mismatched file, or a
         config mismatch, or inconsistent bookkeeping; nothing is loaded.
     """
-    with open(os.fspath(path), "rb") as stream:
+    with open(_file_path(path), "rb") as stream:
         return _cache_from_stream(stream, config)
 
 
 def _cache_from_stream(stream: BinaryIO, expected: CacheConfig | None) -> PagedKVCache:
     header, arrays = _read(stream, CACHE_FORMAT)
-    stored = config_from_json(header["config"])
+    stored = _stored_config(header, arrays)
     if expected is not None and stored != expected:
         raise PersistenceError(f"the file's config {stored} differs from the expected {expected}")
     template = jax.eval_shape(lambda: create(stored))
@@ -501,7 +672,7 @@ def pages_from_bytes(data: bytes) -> PageBundle:
 
 
 def save_pages(path, bundle: PageBundle) -> None:
-    """Write a :class:`PageBundle` to ``path`` (atomically)."""
+    """Write a :class:`PageBundle` to ``path`` (``str``, ``bytes`` or ``os.PathLike``), as :func:`save` does."""
     _check_bundle(bundle)
     _write_file(path, BUNDLE_FORMAT, bundle.config, _bundle_metadata(bundle), _named_leaves(bundle.layers))
 
@@ -509,32 +680,39 @@ def save_pages(path, bundle: PageBundle) -> None:
 def load_pages(path) -> PageBundle:
     """Read a :class:`PageBundle` written by :func:`save_pages` (bit-identical arrays).
 
+    ``path``: ``str``, ``bytes`` or ``os.PathLike``.
+
     Raises:
       PersistenceError: corrupt, truncated or version-mismatched file; nothing is loaded.
     """
-    with open(os.fspath(path), "rb") as stream:
+    with open(_file_path(path), "rb") as stream:
         return _bundle_from_stream(stream)
+
+
+_BUNDLE_COUNTS = ("length", "error_flags", "nonfinite_count", "saturation_count")
+
+
+def _is_int32_count(value) -> bool:
+    return _is_count(value) and value < 2**31
 
 
 def _bundle_from_stream(stream: BinaryIO) -> PageBundle:
     header, arrays = _read(stream, BUNDLE_FORMAT)
-    config = config_from_json(header["config"])
+    config = _stored_config(header, arrays)
     metadata = header["metadata"]
-    try:
-        columns = np.asarray(metadata["page_columns"], np.int32).reshape(-1)
-        bundle = PageBundle(
-            layers=_tree_from_arrays(_bundle_template(config, columns.size), arrays, "page bundle file"),
-            page_columns=columns,
-            length=int(metadata["length"]),
-            error_flags=int(metadata["error_flags"]),
-            nonfinite_count=int(metadata["nonfinite_count"]),
-            saturation_count=int(metadata["saturation_count"]),
-            config=config,
-        )
-    except (KeyError, TypeError, ValueError) as error:
-        if isinstance(error, PersistenceError):
-            raise
-        raise PersistenceError(f"page bundle file has malformed metadata: {error}") from error
+    columns = metadata.get("page_columns")
+    if not isinstance(columns, list) or not all(_is_int32_count(column) for column in columns):
+        raise PersistenceError("page bundle file has malformed metadata: page_columns must be a list of int32 >= 0")
+    for key in _BUNDLE_COUNTS:
+        if not _is_int32_count(metadata.get(key)):
+            raise PersistenceError(f"page bundle file has malformed metadata: {key} must be an int32 >= 0")
+    columns = np.asarray(columns, np.int32).reshape(-1)
+    bundle = PageBundle(
+        layers=_tree_from_arrays(_bundle_template(config, columns.size), arrays, "page bundle file"),
+        page_columns=columns,
+        config=config,
+        **{key: metadata[key] for key in _BUNDLE_COUNTS},
+    )
     _check_bundle(bundle)
     return bundle
 
@@ -552,6 +730,7 @@ __all__ = [
     "load_pages",
     "pages_from_bytes",
     "pages_to_bytes",
+    "remove_stale_temporaries",
     "save",
     "save_pages",
 ]

@@ -5,6 +5,10 @@
   then asymmetric 4-bit codes with one float32 scale per (token, head) whose
   4 low mantissa bits hold the zero point. Queries take the same rotation, so
   ``q . k = (Rq) . (Rk)`` and the score correction is ``scale * zp * sum(Rq)``.
+  Its input rule (:func:`int4_rotated_input`): NaN and +-inf are read as 0
+  and finite values beyond +-2**64 as +-2**64 (saturated), so neither the
+  rotation nor its inverse can overflow; :func:`encode_int4_rotated_with_statistics`
+  counts both.
 * ``int2_lloyd_max``: the same rotation, then the 4-level Lloyd-Max quantizer
   of N(0, 1) (levels +-0.4528, +-1.5104; thresholds 0, +-0.9816) scaled by
   the vector's RMS, stored as one float16 per (token, head).
@@ -35,6 +39,7 @@ import numpy as np
 
 from . import numerics
 from .codec_spec import CodecSpec
+from .encode_statistics import EncodeStatistics, count
 from .nibbles import pack_nibbles, unpack_nibbles
 from .packed import Packed
 
@@ -43,6 +48,14 @@ LLOYD_MAX_THRESHOLD = 0.9816
 LLOYD_MAX_LEVELS = (-1.5104, -0.4528, 0.4528, 1.5104)
 E8_SCALE_DIVISOR = 1.5
 INT4_SYMMETRIC_DIVISOR = 7.0
+INT4_ROTATED_INPUT_LIMIT = 2.0**64
+"""Largest input magnitude ``int4_rotated`` stores as is (larger ones saturate to it).
+
+With ``|x| <= L`` over ``D`` channels, every partial sum of the rotation is at
+most ``D * L``, the scale at most ``2 * sqrt(D) * L / 15``, and every partial
+sum of the inverse (the transform of the integer levels, then the scale) at
+most ``2 * D**1.5 * L``: all finite in float32 for any head below ``2**42`` channels.
+"""
 
 
 def _splitmix64(value: int) -> int:
@@ -132,8 +145,33 @@ def _used_scale(scale16: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------- int4_rotated
 
 
-def encode_int4_rotated(x: jax.Array, spec: CodecSpec, implementation: str) -> Packed:
-    y = rotate(x.astype(jnp.float32), spec.rotation_seed)
+def int4_rotated_input(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What ``int4_rotated`` encodes of float32 ``x``: its one saturation rule.
+
+    The rotation mixes every channel of a (token, head) vector, so a
+    non-finite element cannot keep a code of its own: NaN and +-inf are read
+    as 0. Finite values beyond :data:`INT4_ROTATED_INPUT_LIMIT` (``2**64``)
+    are read as +-2**64. Every other value (signed zeros included) is unchanged.
+
+    Returns:
+      ``(values, nonfinite, saturated)``: float32 values and two bool masks,
+      all of ``x``'s shape.
+    """
+    finite = jnp.isfinite(x)
+    limit = jnp.float32(INT4_ROTATED_INPUT_LIMIT)
+    values = jnp.where(finite, jnp.clip(x, -limit, limit), jnp.float32(0.0))
+    return values, ~finite, finite & (jnp.abs(x) > limit)
+
+
+def int4_rotated_statistics(x: jax.Array) -> EncodeStatistics:
+    """The :class:`EncodeStatistics` of encoding ``x`` ``[T, H, D]`` as ``int4_rotated``."""
+    _, nonfinite, saturated = int4_rotated_input(x.astype(jnp.float32))
+    return EncodeStatistics(nonfinite=count(nonfinite), saturated=count(saturated))
+
+
+def _encode_int4_rotated(x: jax.Array, spec: CodecSpec, implementation: str):
+    values, nonfinite, saturated = int4_rotated_input(x.astype(jnp.float32))
+    y = rotate(values, spec.rotation_seed)
     low = jnp.minimum(jnp.min(y, axis=-1, keepdims=True), 0.0)
     high = jnp.maximum(jnp.max(y, axis=-1, keepdims=True), 0.0)
     span = high - low
@@ -142,7 +180,20 @@ def encode_int4_rotated(x: jax.Array, spec: CodecSpec, implementation: str) -> P
     bits = jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFFFFFFF0)
     stored = jax.lax.bitcast_convert_type(bits | zero_point.astype(jnp.uint32), jnp.float32)
     codes = jnp.clip(jnp.round(numerics.divide(y, stored, implementation)) + zero_point, 0.0, 15.0)
-    return Packed(pack_nibbles(codes.astype(jnp.uint8)), stored, None, None, spec, tuple(x.shape))
+    packed = Packed(pack_nibbles(codes.astype(jnp.uint8)), stored, None, None, spec, tuple(x.shape))
+    return packed, EncodeStatistics(nonfinite=count(nonfinite), saturated=count(saturated))
+
+
+def encode_int4_rotated(x: jax.Array, spec: CodecSpec, implementation: str) -> Packed:
+    """Encode ``x`` float32/bfloat16/float16 ``[T, H, D]`` (``D == spec.group_size``)."""
+    return _encode_int4_rotated(x, spec, implementation)[0]
+
+
+def encode_int4_rotated_with_statistics(
+    x: jax.Array, spec: CodecSpec, implementation: str
+) -> tuple[Packed, EncodeStatistics]:
+    """:func:`encode_int4_rotated` and the counts of :func:`int4_rotated_input`'s two masks."""
+    return _encode_int4_rotated(x, spec, implementation)
 
 
 def zero_points(stored_scale: jax.Array) -> jax.Array:

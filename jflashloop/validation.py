@@ -31,6 +31,19 @@ def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def require_concrete(function: str, **arguments) -> None:
+    """Raise ``TypeError`` if any leaf of any argument (a pytree) is a tracer.
+
+    Checked entry points read values on the host, so they run outside ``jit``.
+    """
+    for name, value in arguments.items():
+        if any(not is_concrete(leaf) for leaf in jax.tree_util.tree_leaves(value)):
+            raise TypeError(
+                f"{function}: checked mode needs concrete arrays, but {name} is traced (inside jit, vmap, ...); "
+                "call it outside jit (inside jit use the unchecked function, which counts what it cannot raise)"
+            )
+
+
 def check_float_array(name: str, x, dtypes=SUPPORTED_FLOAT_DTYPES) -> None:
     """``x`` must be an array of one of ``dtypes``."""
     dtype = getattr(x, "dtype", None)

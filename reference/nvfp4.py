@@ -29,7 +29,9 @@ Each encode also counts:
   beyond the largest E2M1 magnitude 6 by more than E2M1's own rounding (with
   an unbounded exponent range such a value would round to 8 or more). This
   only happens when the local scale was clamped at 448, i.e. for values far
-  beyond ``6 * 448 * global`` (a given global scale that is too small).
+  beyond ``6 * 448 * global`` (a given global scale that is too small). With
+  a non-finite global scale (the API refuses one unless it is traced under
+  ``jit``) every value decodes to NaN or inf, so every finite element counts.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def encode_nvfp4(x: np.ndarray, global_scale=None):
                     magnitude = floats.divide_float32(np.float32(abs(value)), denominator)
                     if not math.isfinite(value):
                         nonfinite += 1
-                    elif magnitude >= SATURATION_QUOTIENT:
+                    elif magnitude >= SATURATION_QUOTIENT or not math.isfinite(global_scale):
                         saturated += 1
                     negative = not math.isnan(value) and math.copysign(1.0, float(value)) < 0
                     codes[t, h, c] = (8 if negative else 0) | floats.e2m1_round(magnitude)

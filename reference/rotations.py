@@ -14,7 +14,10 @@ Codecs on one ``[D]`` vector (one token of one KV head):
   float32 scale whose 4 low mantissa bits hold the zero point. Decoding
   transforms the integers ``code - zp`` first and scales after (the same
   value in exact arithmetic; no addition ever follows a rounded product, so
-  fused multiply-adds cannot change it).
+  fused multiply-adds cannot change it). Input rule
+  (:func:`int4_rotated_input`): NaN and +-inf are read as 0, finite values
+  beyond +-2**64 as +-2**64 (saturated), so no sum of the rotation or of its
+  inverse overflows float32.
 * ``int2_lloyd_max``: rotate, then 2-bit codes at the 4-level Lloyd-Max
   quantizer of N(0, 1), scaled by the vector's RMS (stored as float16).
 * ``e8``: normalized Hadamard over the head (no signs), one float16 scale per
@@ -36,6 +39,7 @@ import numpy as np
 from .floats import divide_float32, float16_saturating, round_half_to_even
 
 MASK64 = (1 << 64) - 1
+INT4_ROTATED_INPUT_LIMIT = np.float32(2.0**64)
 LLOYD_MAX_THRESHOLD = np.float32(0.9816)
 LLOYD_MAX_LEVELS = (np.float32(-1.5104), np.float32(-0.4528), np.float32(0.4528), np.float32(1.5104))
 
@@ -94,9 +98,29 @@ def _from_bits(bits: int) -> np.float32:
 # ---------------------------------------------------------------- int4_rotated
 
 
+def int4_rotated_input(values):
+    """Returns ``(float32 values [D], nonfinite, saturated)``: what ``int4_rotated`` encodes.
+
+    NaN and +-inf are read as 0 (counted ``nonfinite``); finite values beyond
+    +-2**64 are read as +-2**64 (counted ``saturated``); the rest unchanged.
+    """
+    out, nonfinite, saturated = [], 0, 0
+    for value in values:
+        value = np.float32(value)
+        if not math.isfinite(value):
+            nonfinite += 1
+            out.append(np.float32(0.0))
+        elif abs(value) > INT4_ROTATED_INPUT_LIMIT:
+            saturated += 1
+            out.append(np.float32(math.copysign(INT4_ROTATED_INPUT_LIMIT, value)))
+        else:
+            out.append(value)
+    return out, nonfinite, saturated
+
+
 def encode_int4_rotated_vector(values, seed: int):
     """Returns ``(codes [D] ints 0-15, stored_scale float32)``; zero point in the scale's low 4 bits."""
-    y = rotate(values, random_signs(seed, len(values)))
+    y = rotate(int4_rotated_input(values)[0], random_signs(seed, len(values)))
     low = min(min(y), np.float32(0.0))
     high = max(max(y), np.float32(0.0))
     span = np.float32(high - low)

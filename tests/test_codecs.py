@@ -55,8 +55,9 @@ def _expected_decoded(decoded32: np.ndarray, dtype) -> np.ndarray:
         return np.vectorize(reference.floats.bfloat16_round, otypes=[np.float32])(decoded32).astype(
             ml_dtypes.bfloat16
         )
-    with np.errstate(over="ignore"):  # huge cases overflow float16 to inf, as jax does
-        return decoded32.astype(dtype)
+    if dtype == jnp.float16:  # decode saturates at +-65504 (huge cases would round to inf)
+        return np.vectorize(reference.floats.float16_saturating, otypes=[np.float16])(decoded32)
+    return decoded32.astype(dtype)
 
 
 def check_int4(x32, spec, implementation, input_dtype=np.float32):
@@ -275,6 +276,42 @@ def test_saturation_is_counted_not_silent():
     assert int(statistics.saturated) == 2
     # Default global scale: nothing saturates, even with a huge outlier.
     assert int(jflashloop.codecs.count_saturations(y * 1e30, jflashloop.NVFP4).saturated) == 0
+
+
+def test_nvfp4_nonfinite_traced_global_scale_is_counted():
+    # Outside jit such a global scale is refused; traced, it decodes to NaN or
+    # inf, so every finite element (here all but the NaN; padding excluded) counts as saturated.
+    x = np.linspace(-2, 2, 2 * 1 * 20, dtype=np.float32).reshape(2, 1, 20)
+    x[1, 0, 3] = np.nan
+    encode = jax.jit(lambda x, g: jflashloop.codecs.encode_with_statistics(x, jflashloop.NVFP4, global_scale=g))
+    for global_scale in (np.inf, np.nan):
+        packed, statistics = encode(jnp.asarray(x), jnp.float32(global_scale))
+        assert (int(statistics.nonfinite), int(statistics.saturated)) == (1, 39), global_scale
+    expected = reference.encode_nvfp4(x, np.float32(np.inf))
+    assert (expected["nonfinite"], expected["saturated"]) == (1, 39)
+    packed, _ = encode(jnp.asarray(x), jnp.float32(np.inf))
+    assert_bits_equal(packed.payload, expected["payload"], "payload")
+
+
+@pytest.mark.parametrize("spec", [jflashloop.CodecSpec("int4", "token", 8), jflashloop.CodecSpec("int4", "channel", 2)],
+                         ids=["token", "channel"])
+def test_int4_decodes_float16_extremes_to_float16_without_overflow(spec):
+    # min -65504, scale16 8736: the top code decodes to 65536 in float32, which
+    # float16 rounds to inf. The stored bits stay the oracle's; decoding to
+    # float16 saturates at 65504, the input's own value.
+    x = np.array([[[-65504, 65504, 0, 1000, -3, 7, 65504, 12]], [[65504, -65504, 1, 2, 3, 4, 5, 6]]], np.float16)
+    x = np.swapaxes(x, 0, 2).reshape(8, 1, 2) if spec.axis == "channel" else x
+    packed = jflashloop.encode(jnp.asarray(x), spec)
+    check_int4(x.astype(np.float32), spec, None, np.float16)
+    decoded32 = np.asarray(jflashloop.decode(packed, jnp.float32))
+    assert decoded32.max() == 65536.0
+    decoded = np.asarray(jflashloop.decode(packed, jnp.float16))
+    assert np.isfinite(decoded).all()
+    np.testing.assert_array_equal(decoded[x == 65504], 65504)
+    np.testing.assert_array_equal(decoded[x == -65504], -65504)
+    assert_bits_equal(decoded, _expected_decoded(decoded32, jnp.float16), "float16 decode")
+    # checked mode accepts it: nothing is stored at a limit and nothing decodes to inf.
+    chex.assert_trees_all_equal(jflashloop.checked.encode(jnp.asarray(x), spec), packed)
 
 
 def test_statistics_work_under_jit_and_vmap(rng):

@@ -6,12 +6,20 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
+import stat
 import struct
+import subprocess
+import sys
+import time
+import tracemalloc
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, note
+from hypothesis import strategies as st
 
 import jflashloop
 from jflashloop import paged_cache, persistence
@@ -105,9 +113,9 @@ def _first_array_byte(data: bytes) -> int:
     return -(-(52 + _header_length(data)) // 64) * 64
 
 
-def _flip(data: bytes, offset: int) -> bytes:
+def _flip(data: bytes, offset: int, mask: int = 0x01) -> bytes:
     changed = bytearray(data)
-    changed[offset] ^= 0x01
+    changed[offset] ^= mask
     return bytes(changed)
 
 
@@ -126,9 +134,11 @@ def _flip(data: bytes, offset: int) -> bytes:
         (lambda d: d[:-1], "truncated"),
         (lambda d: d + b"\0", "trailing bytes"),
         (lambda d: b"", "truncated"),
+        *[(functools.partial(_flip, offset=offset, mask=0xFF), "truncated") for offset in (16, 17, 18, 19)],
     ],
     ids=["magic", "version", "header-digest", "header", "last-byte", "middle-byte", "first-array", "prefix-cut",
-         "header-cut", "data-cut", "trailing", "empty"],
+         "header-cut", "data-cut", "trailing", "empty", "header-length-16", "header-length-17",
+         "header-length-18", "header-length-19"],
 )
 def test_damaged_files_load_nothing(tmp_path, damage, message):
     data = damage(persistence.cache_to_bytes(busy_cache()))
@@ -223,3 +233,233 @@ def test_damaged_bundles_load_nothing():
         persistence.pages_from_bytes(data[:-64])
     with pytest.raises(PersistenceError, match="unsupported format version"):
         persistence.pages_from_bytes(data[:8] + struct.pack("<I", 0) + data[12:])
+
+
+# --------------------------------------------------------------------------- malformed files
+
+TINY = CacheConfig(
+    num_layers=1, num_kv_heads=1, head_dim=8, num_pages=2, max_sequences=1, max_pages_per_sequence=2,
+    page_size=16, recent_tokens=4,
+    loops=(LoopStorage(jflashloop.CodecSpec("int4", "channel", 16), jflashloop.CodecSpec("int4", "token", 8)),),
+)
+
+
+@functools.cache
+def tiny_cache():
+    """One sequence of 20 tokens (one full page)."""
+    return _prefill(paged_cache.create(TINY), 0, *kv((1, 1, 20, 1, 8), 3), 20)
+
+
+@functools.cache
+def tiny_files() -> dict[str, bytes]:
+    """:func:`tiny_cache` in the file format, and its page bundle."""
+    return {"cache": persistence.cache_to_bytes(tiny_cache()),
+            "bundle": persistence.pages_to_bytes(persistence.export_pages(tiny_cache(), 0))}
+
+
+_FROM_BYTES = {"cache": persistence.cache_from_bytes, "bundle": persistence.pages_from_bytes}
+
+
+def _with_header(data: bytes, change) -> bytes:
+    """``data`` with its JSON header replaced by ``change(header)``, under a valid checksum."""
+    header = change(json.loads(data[52 : 52 + _header_length(data)]))
+    header_bytes = json.dumps(header, sort_keys=True).encode("utf-8")
+    head = struct.pack("<8sIQ32s", b"JFLASHKV", 1, len(header_bytes), hashlib.sha256(header_bytes).digest())
+    head += header_bytes
+    return head + b"\0" * (-len(head) % 64) + data[_first_array_byte(data) :]
+
+
+def _edited(path: str, value=None, *, delete: bool = False):
+    """A header change: set (or delete) the item at a dotted path (list indices as ints)."""
+    def change(header):
+        *parents, last = [int(key) if key.isdigit() else key for key in path.split(".")]
+        node = header
+        for key in parents:
+            node = node[key]
+        if delete:
+            del node[last]
+        else:
+            node[last] = value
+        return header
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda h: [h], "the header is a JSON list, not an object"),
+        (_edited("arrays", delete=True), "header field 'arrays' must be a JSON list"),
+        (_edited("config", "page_size=16"), "header field 'config' must be a JSON dict"),
+        (_edited("data_nbytes", delete=True), "'data_nbytes' must be an integer >= 0"),
+        (_edited("data_nbytes", -64), "'data_nbytes' must be an integer >= 0"),
+        (_edited("data_nbytes", 64.0), "'data_nbytes' must be an integer >= 0"),
+        (_edited("data_nbytes", 2**70), "file is truncated"),
+        (_edited("arrays.0.name", delete=True), "arrays\\[0\\] must hold name, dtype, shape"),
+        (_edited("arrays.0.shape", "3"), "arrays\\[0\\] must hold name, dtype, shape"),
+        (_edited("arrays.0.shape", [-1, -64]), "offset, nbytes and shape must be integers >= 0"),
+        (_edited("arrays.0.offset", True), "offset, nbytes and shape must be integers >= 0"),
+        (_edited("arrays.0.offset", 2**70), "inconsistent size or offset"),
+        (_edited("arrays.0.shape", [2**62, 2**62]), "inconsistent size or offset"),
+        (_edited("arrays.0.dtype", "complex64"), "unsupported dtype 'complex64'"),
+        (lambda h: {**h, "arrays": h["arrays"] + h["arrays"][:1]}, "appears twice"),
+        (_edited("config.num_layers", delete=True), "not a valid CacheConfig"),
+        (_edited("config.loops.0", 7), "not a valid CacheConfig"),
+        (_edited("config.num_layers", 10**9), "implies at least 1000000000 x 1 arrays \\(layers x loops\\), the file holds \\d+"),
+        (_edited("config.recent_tokens", 3.5), "not a valid CacheConfig"),
+        (_edited("config.num_pages", 2**40), "not a valid CacheConfig: CacheConfig.num_pages must be < 2\\*\\*31"),
+    ],
+)
+def test_hand_built_headers_with_valid_checksums_load_nothing(change, message):
+    with pytest.raises(PersistenceError, match=message):
+        persistence.cache_from_bytes(_with_header(tiny_files()["cache"], change))
+    with pytest.raises(PersistenceError):
+        persistence.pages_from_bytes(_with_header(tiny_files()["bundle"], change))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (_edited("metadata.length", delete=True), "length must be an int32 >= 0"),
+        (_edited("metadata.error_flags", "0"), "error_flags must be an int32 >= 0"),
+        (_edited("metadata.page_columns", [2**40]), "page_columns must be a list of int32 >= 0"),
+        (_edited("metadata.page_columns", 0), "page_columns must be a list of int32 >= 0"),
+    ],
+)
+def test_hand_built_bundle_metadata_loads_nothing(change, message):
+    with pytest.raises(PersistenceError, match=message):
+        persistence.pages_from_bytes(_with_header(tiny_files()["bundle"], change))
+
+
+@pytest.mark.parametrize("length", [2**26, 2**40, 2**64 - 1])
+def test_a_huge_header_length_is_refused_before_anything_is_allocated(tmp_path, length):
+    data = tiny_files()["cache"]
+    path = tmp_path / "cache.jflkv"
+    path.write_bytes(data[:12] + struct.pack("<Q", length) + data[20:])
+    tracemalloc.start()
+    try:
+        with pytest.raises(PersistenceError, match=f"expected {length} bytes of the header, got {len(data) - 52}"):
+            persistence.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * len(data) + 2**20, peak
+
+
+@pytest.mark.parametrize("kind", ["cache", "bundle"])
+@given(data=st.data())
+def test_any_damaged_or_cut_file_raises_persistence_error(kind, data):
+    original = tiny_files()[kind]
+    damaged = bytearray(original)
+    for offset in data.draw(st.lists(st.integers(0, len(original) - 1), min_size=1, max_size=3, unique=True)):
+        damaged[offset] ^= data.draw(st.integers(1, 255))
+    damaged = bytes(damaged)
+    cut = data.draw(st.one_of(st.none(), st.integers(0, len(original) - 1)))
+    if cut is not None:
+        damaged = data.draw(st.sampled_from([damaged[:cut], original[:cut], original + original[cut:]]))
+    with pytest.raises(PersistenceError):
+        _FROM_BYTES[kind](damaged)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=6,
+)
+
+
+def _header_paths(node, prefix=()):
+    """Every (path, node) below a parsed JSON header."""
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        yield (*prefix, key)
+        yield from _header_paths(child, (*prefix, key))
+
+
+@pytest.mark.parametrize("kind", ["cache", "bundle"])
+@given(data=st.data())
+def test_any_hand_built_header_loads_or_raises_persistence_error(kind, data):
+    original = tiny_files()[kind]
+    paths = sorted(_header_paths(json.loads(original[52 : 52 + _header_length(original)])), key=str)
+    path = data.draw(st.sampled_from(paths))
+    delete = data.draw(st.booleans())
+    value = None if delete else data.draw(_JSON)
+    note(f"{path} {'deleted' if delete else f'= {value!r}'}")
+    edit = _edited(".".join(str(key) for key in path), value, delete=delete)
+    try:
+        _FROM_BYTES[kind](_with_header(original, edit))
+    except PersistenceError:
+        pass
+
+
+# --------------------------------------------------------------------------- paths and durable writes
+
+
+@pytest.mark.parametrize("as_path", [str, os.fsencode, lambda p: p], ids=["str", "bytes", "PathLike"])
+def test_paths_may_be_str_bytes_or_path_like(tmp_path, as_path):
+    persistence.save(as_path(tmp_path / "cache.jflkv"), tiny_cache())
+    assert_caches_identical(tiny_cache(), persistence.load(as_path(tmp_path / "cache.jflkv")))
+    bundle = persistence.export_pages(tiny_cache(), 0)
+    persistence.save_pages(as_path(tmp_path / "sequence.jflkv"), bundle)
+    assert persistence.load_pages(as_path(tmp_path / "sequence.jflkv")).length == 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.jflkv", "sequence.jflkv"]
+
+
+def test_a_path_of_another_type_is_refused(tmp_path):
+    for call in (lambda: persistence.save(3, tiny_cache()), lambda: persistence.load(3),
+                 lambda: persistence.load_pages(None)):
+        with pytest.raises(TypeError, match=r"path must be a str, bytes or os\.PathLike, got"):
+            call()
+
+
+def test_save_fsyncs_the_file_then_renames_then_fsyncs_the_folder(tmp_path, monkeypatch):
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(descriptor):
+        events.append("fsync folder" if stat.S_ISDIR(os.fstat(descriptor).st_mode) else "fsync file")
+        fsync(descriptor)
+
+    def recording_replace(source, destination):
+        events.append("rename")
+        replace(source, destination)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    persistence.save(tmp_path / "cache.jflkv", tiny_cache())
+    assert events == ["fsync file", "rename"] + (["fsync folder"] if os.name == "posix" else [])
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.skipif(os.name != "posix", reason="writers' PIDs can be checked on POSIX only")
+def test_save_removes_only_stale_temporaries_of_its_own_target(tmp_path):
+    dead, alive = _dead_pid(), os.getppid()
+    old = time.time() - 2 * persistence.STALE_AFTER_SECONDS
+
+    def leftover(name, modified=old, directory=False):
+        path = tmp_path / name
+        if directory:
+            path.mkdir()
+        else:
+            path.write_bytes(b"half a file")
+        os.utime(path, (modified, modified))
+        return name
+
+    stale = [leftover(f"cache.jflkv.tmp-{dead}"), leftover(f"cache.jflkv.tmp-{dead}-0123abcd")]
+    kept = [
+        leftover(f"cache.jflkv.tmp-{dead}-89abcdef", modified=time.time()),  # too recent
+        leftover(f"cache.jflkv.tmp-{alive}-0123abcd"),  # its writer still runs
+        leftover(f"other.jflkv.tmp-{dead}"),  # another target
+        leftover(f"xcache.jflkv.tmp-{dead}"),
+        leftover(f"cache.jflkv.tmp-{dead}x"),
+        leftover(f"cache.jflkv.tmp-{dead}-0123ABCD"),
+        leftover("cache.jflkv.bak"),
+        leftover(f"cache.jflkv.tmp-{dead}-fedcba98", directory=True),
+    ]
+    persistence.save(tmp_path / "cache.jflkv", tiny_cache())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["cache.jflkv", *kept])
+    assert not set(stale) & {p.name for p in tmp_path.iterdir()}

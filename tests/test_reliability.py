@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,7 @@ import numpy as np
 import pytest
 
 import jflashloop
-from jflashloop import checked, paged_cache
+from jflashloop import checked, paged_cache, persistence
 from jflashloop.cache_config import CacheConfig, LoopStorage
 from jflashloop.packed import Packed
 from jflashloop.validation import CacheStateError, NonFiniteInputError, SaturationError
@@ -76,6 +79,26 @@ def _corrupt(**changes):
     return dataclasses.replace(one_active_cache(), **changes)
 
 
+def _saved(change=None) -> bytes:
+    """``one_active_cache()`` in the file format, its prefix changed by ``change(bytearray)``."""
+    data = bytearray(persistence.cache_to_bytes(one_active_cache()))
+    if change:
+        change(data)
+    return bytes(data)
+
+
+def _with_header(header_bytes: bytes) -> bytes:
+    """A file with the given header bytes, under a valid checksum."""
+    prefix = struct.pack("<8sIQ32s", persistence.MAGIC, persistence.FORMAT_VERSION, len(header_bytes),
+                         hashlib.sha256(header_bytes).digest())
+    return prefix + header_bytes + b"\0" * (-(len(prefix) + len(header_bytes)) % 64)
+
+
+def _import_into_a_full_cache():
+    bundle = persistence.export_pages(one_active_cache(), 0)
+    return persistence.import_pages(_corrupt(page_free=jnp.zeros((6,), bool)), 1, bundle)
+
+
 BAD_INPUTS = [
     # id, call, exception, message excerpt
     ("encode: rank 2", lambda: jflashloop.encode(jnp.ones((4, 8)), jflashloop.INT4_KEYS),
@@ -94,10 +117,30 @@ BAD_INPUTS = [
      ValueError, "global_scale must be one finite"),
     ("encode: global_scale 2**-120", lambda: jflashloop.encode(x3(), jflashloop.NVFP4, global_scale=2.0**-120),
      ValueError, "2\\*\\*-116"),
+    ("encode: global_scale 1e39 (inf as a float32)",
+     lambda: jflashloop.encode(x3(), jflashloop.NVFP4, global_scale=1e39),
+     ValueError, "global_scale must be one finite positive float32 number .* got 1e\\+39 \\(inf as a float32\\)"),
     ("encode: global_scale vector", lambda: jflashloop.encode(x3(), jflashloop.NVFP4, global_scale=np.ones(3)),
      ValueError, "global_scale must be a scalar"),
     ("encode: unknown implementation", lambda: jflashloop.encode(x3(), jflashloop.NVFP4, implementation="cuda"),
      ValueError, "implementation must be None, 'xla' or 'pallas'"),
+    ("CacheConfig: float recent_tokens", lambda: dataclasses.replace(CONFIG, recent_tokens=3.5),
+     TypeError, "CacheConfig.recent_tokens must be an int, got float 3.5"),
+    ("CacheConfig: float sink_tokens", lambda: dataclasses.replace(CONFIG, sink_tokens=2.0),
+     TypeError, "CacheConfig.sink_tokens must be an int, got float 2.0"),
+    ("CacheConfig: float page_size", lambda: dataclasses.replace(CONFIG, page_size=16.0),
+     TypeError, "CacheConfig.page_size must be an int, got float 16.0"),
+    ("CacheConfig: bool recent_tokens", lambda: dataclasses.replace(CONFIG, recent_tokens=True),
+     TypeError, "CacheConfig.recent_tokens must be an int, got bool True"),
+    ("CacheConfig: a count beyond int32", lambda: dataclasses.replace(CONFIG, num_pages=2**31),
+     ValueError, "CacheConfig.num_pages must be < 2\\*\\*31 \\(the cache indexes with int32\\), got 2147483648"),
+    ("CacheConfig: float sparse_rows_per_page",
+     lambda: dataclasses.replace(CONFIG, loops=(CONFIG.loops[0], LoopStorage(jflashloop.INT4_VALUES,
+                                                                             jflashloop.INT4_VALUES, 3.5))),
+     TypeError, "CacheConfig.loops\\[1\\].sparse_rows_per_page must be an int, got float 3.5"),
+    ("CacheConfig: a loop that is not a LoopStorage",
+     lambda: dataclasses.replace(CONFIG, loops=(CONFIG.loops[0], (jflashloop.INT4_VALUES,) * 2)),
+     TypeError, "CacheConfig.loops\\[1\\] must be a LoopStorage, got tuple"),
     ("CodecSpec: NVFP4 on the channel axis", lambda: jflashloop.CodecSpec("nvfp4", "channel", 16),
      ValueError, "NVFP4 stores one E4M3 scale per 16"),
     ("CodecSpec: group_size 0", lambda: jflashloop.CodecSpec("int4", "token", 0),
@@ -182,11 +225,40 @@ BAD_INPUTS = [
     ("validate: wrong array dtype",
      lambda: paged_cache.validate(_corrupt(lengths=jnp.array([20, 0], jnp.float32))),
      CacheStateError, "lengths must be int32"),
+    ("load: other format version", lambda: persistence.cache_from_bytes(_saved(lambda d: d.__setitem__(8, 2))),
+     persistence.PersistenceError, "unsupported format version 2; this jflashloop reads version 1"),
+    ("load: damaged header length",
+     lambda: persistence.cache_from_bytes(_saved(lambda d: d.__setitem__(slice(12, 20), b"\xff" * 8))),
+     persistence.PersistenceError, "file is truncated: expected 18446744073709551615 bytes of the header"),
+    ("load: hand-built header without arrays", lambda: persistence.cache_from_bytes(_with_header(b"[]")),
+     persistence.PersistenceError, "the header is a JSON list, not an object"),
+    ("load: hand-built header with a mistyped field",
+     lambda: persistence.cache_from_bytes(_with_header(json.dumps({
+         "format": persistence.CACHE_FORMAT, "format_version": 1, "config": {}, "metadata": {},
+         "data_nbytes": 0, "arrays": [{"name": ".lengths"}]}).encode())),
+     persistence.PersistenceError, "arrays\\[0\\] must hold name, dtype, shape, offset, nbytes, sha256"),
+    ("save: a path that is not str, bytes or os.PathLike", lambda: persistence.save(3, one_active_cache()),
+     TypeError, "path must be a str, bytes or os.PathLike, got int"),
+    ("import_pages: no room", _import_into_a_full_cache,
+     persistence.PersistenceError, "the bundle needs 1 free pages, this cache has 0"),
+    ("import_pages: other layout",
+     lambda: persistence.import_pages(paged_cache.create(dataclasses.replace(CONFIG, recent_tokens=16)), 0,
+                                      persistence.export_pages(one_active_cache(), 0)),
+     persistence.PersistenceError, "the bundle's pages do not fit this cache's layout \\(recent_tokens: bundle 8 vs cache 16\\)"),
     ("checked.encode: NaN", lambda: checked.encode(x3().at[1, 0, 3].set(jnp.nan), jflashloop.INT4_KEYS),
      NonFiniteInputError, "x must be finite: 1 element\\(s\\) are NaN or \\+-inf, the first at index \\(1, 0, 3\\)"),
     ("checked.encode: INT4 metadata beyond float16",
      lambda: checked.encode(x3().at[0, 0, 0].set(1e6), jflashloop.INT4_VALUES),
      SaturationError, "float16 min or scale would exceed 65504"),
+    ("checked.encode: global_scale 1e39",
+     lambda: checked.encode(x3((4, 2, 16)), jflashloop.NVFP4, global_scale=1e39),
+     ValueError, "global_scale must be one finite positive float32 number"),
+    ("checked.encode: negative global_scale",
+     lambda: checked.encode(x3((4, 2, 16)), jflashloop.NVFP4, global_scale=-1.0),
+     ValueError, "global_scale must be one finite positive float32 number .* got -1.0"),
+    ("checked.encode: int4_rotated beyond 2**64",
+     lambda: checked.encode(x3((2, 1, 16)).at[0, 0, 3].set(1e38), jflashloop.int4_rotated(16)),
+     SaturationError, "x: 1 element\\(s\\) would saturate \\(its magnitude is beyond int4_rotated's input limit 2\\*\\*64\\)"),
     ("checked.encode: NVFP4 beyond the given global scale",
      lambda: checked.encode(x3() * 100, jflashloop.NVFP4, global_scale=1e-3),
      SaturationError, "6 \\* 448 \\* global_scale"),
@@ -196,6 +268,28 @@ BAD_INPUTS = [
     ("checked.prefill: inf in the prompt",
      lambda: checked.prefill(paged_cache.create(CONFIG), 0, _with_inf(kv()[0]), kv()[1], 20),
      NonFiniteInputError, "keys must be finite"),
+    ("checked.prefill: saturation",
+     lambda: checked.prefill(paged_cache.create(CONFIG), 0, kv()[0] * np.float32(1e5), kv()[1], 20),
+     SaturationError, "values would be stored at their format's limit in slot\\(s\\) \\{0: "),
+    ("checked.append: wrong sequence count",
+     lambda: checked.append(one_active_cache(), *kv(layout=(1, 2, 3, 1, 16))),
+     ValueError, "keys must be \\[layers=1, loops=2, max_sequences=2, kv_heads=1, head_dim=16\\], got shape \\(1, 2, 3"),
+    ("checked.append: nested lists", lambda: checked.append(one_active_cache(), *[x.tolist() for x in kv(layout=(1, 2, 2, 1, 16))]),
+     TypeError, "keys must be an array \\[layers=1, loops=2, max_sequences=2, kv_heads=1, head_dim=16\\], got list"),
+    ("checked.append: under jit", lambda: jax.jit(checked.append)(one_active_cache(), *kv(layout=(1, 2, 2, 1, 16))),
+     TypeError, "checked.append: checked mode needs concrete arrays, but cache is traced"),
+    ("checked.prefill: nested lists",
+     lambda: checked.prefill(paged_cache.create(CONFIG), 0, *[x.tolist() for x in kv()], 20),
+     TypeError, "keys must be an array \\[layers=1, loops=2, tokens, kv_heads=1, head_dim=16\\], got list"),
+    ("checked.prefill: wrong layout", lambda: checked.prefill(paged_cache.create(CONFIG), 0, *kv(layout=(1, 3, 20, 1, 16))),
+     ValueError, "keys must be \\[layers=1, loops=2, tokens, kv_heads=1, head_dim=16\\], got shape \\(1, 3, 20"),
+    ("checked.prefill: under jit (a traced slot)",
+     lambda: jax.jit(lambda slot: checked.prefill(one_active_cache(), slot, *kv(), 20))(1),
+     TypeError, "checked.prefill: checked mode needs concrete arrays, but slot is traced"),
+    ("checked.encode: under jit", lambda: jax.jit(lambda x: checked.encode(x, jflashloop.INT4_VALUES))(x3()),
+     TypeError, "checked.encode: checked mode needs concrete arrays, but x is traced"),
+    ("prefill: nested lists", lambda: paged_cache.prefill(paged_cache.create(CONFIG), 0, *[x.tolist() for x in kv()]),
+     TypeError, "keys must be an array \\[layers=1, loops=2, tokens, kv_heads=1, head_dim=16\\], got list"),
     ("checked.append: full sequence",
      lambda: checked.append(_corrupt(lengths=jnp.array([48, 0]), block_tables=jnp.array([[0, 1, 2], [-1, -1, -1]]),
                                      page_free=jnp.array([False] * 3 + [True] * 3)),

@@ -201,3 +201,66 @@ def test_formats_without_a_fused_kernel_fall_back(rng):
         decode_attention(queries, cache, 0, 0, implementation="pallas")
     automatic = decode_attention(queries, cache, 0, 0)  # falls back to the reference path
     assert_bits_equal(automatic, jflashloop.decode_attention_reference(queries, cache, 0, 0), "fallback")
+
+
+# --------------------------------------------------------------------------- int4_rotated edge values
+
+
+def _edge_vectors(dim):
+    limit = np.float32(2.0**64)
+    rows = np.random.default_rng(0).standard_normal((7, dim)).astype(np.float32)
+    rows[0, 3] = np.inf
+    rows[1, :2] = [-np.inf, np.nan]
+    rows[2, 5] = 1e38  # finite, far beyond the limit
+    rows[3] = np.float32(3.4e38) * np.sign(rows[3])  # every channel at the float32 limit
+    rows[4, 1] = limit  # exactly the limit: kept
+    rows[5, 1] = np.nextafter(limit, np.float32(np.inf))  # just above: saturated
+    rows[6] = limit * np.asarray(oracle.random_signs(7, dim), np.float32)  # the rotation adds them all in one channel
+    return rows[:, None, :]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dim", [16, 128])
+def test_int4_rotated_saturates_and_counts_edge_values(dim, implementation):
+    spec = codec_spec.int4_rotated(dim, 7)
+    x = _edge_vectors(dim)
+    encode = functools.partial(jflashloop.codecs.encode_with_statistics, spec=spec, implementation=implementation)
+    packed, statistics = jax.jit(encode)(jnp.asarray(x))
+    decoded = np.asarray(jax.jit(rotated_codecs.decode_int4_rotated)(packed))
+    assert np.isfinite(np.asarray(packed.scale)).all() and np.isfinite(decoded).all()
+    nonfinite = saturated = 0
+    for t in range(x.shape[0]):
+        expected, (codes, scales) = _oracle_row("int4_rotated", x[t, 0], dim)
+        assert_bits_equal(decoded[t, 0], np.asarray(expected, np.float32), f"decoded [{t}]")
+        assert _jax_codes("int4_rotated", packed)[t, 0].tolist() == codes, f"codes [{t}]"
+        assert_bits_equal(np.asarray(packed.scale)[t, 0], np.asarray(scales, np.float32), f"scale [{t}]")
+        counts = oracle.int4_rotated_input(x[t, 0])[1:]
+        nonfinite, saturated = nonfinite + counts[0], saturated + counts[1]
+    assert (int(statistics.nonfinite), int(statistics.saturated)) == (nonfinite, saturated) == (3, dim + 2)
+    alone = jflashloop.codecs.count_saturations(jnp.asarray(x), spec)
+    assert (int(alone.nonfinite), int(alone.saturated)) == (3, dim + 2)
+    # Values within the limit are stored as before: the clean rows match an encode of their own.
+    clean = jflashloop.encode(jnp.asarray(x[4:5]), spec, implementation=implementation)
+    assert_bits_equal(packed.payload[4:5], clean.payload, "payload of a clean row")
+
+
+def test_int4_rotated_cache_saturates_and_counts_huge_values(rng):
+    from jflashloop import paged_cache
+    from jflashloop.cache_config import CacheConfig, LoopStorage
+
+    spec = codec_spec.int4_rotated(16, 3)
+    config = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,
+                         max_pages_per_sequence=3, page_size=16, recent_tokens=4, sink_tokens=0,
+                         loops=(LoopStorage(spec, spec), LoopStorage(spec, spec)))
+    keys, values = (rng.standard_normal((1, 2, 34, 1, 16)).astype(np.float32) for _ in range(2))
+    keys[0, :, 3, 0, 5] = 1e38  # representable in bfloat16, packed into page 0
+    values[0, 0, 20, 0, 2] = -1e38
+    cache = jax.jit(paged_cache.prefill)(paged_cache.create(config), 0, keys, values, 34)
+    # Loop 1: K at token 3 and V at token 20; loop 2: the K residual at token 3 is ~1e38 again.
+    assert int(cache.saturation_counts[0]) == 3
+    assert int(cache.error_flags[0]) == paged_cache.ERROR_SATURATED
+    queries = jnp.asarray(rng.standard_normal((1, 8, 16)), jnp.float32)
+    for loop in range(2):
+        reconstructed = paged_cache.reconstruct(cache, 0, loop, 0)
+        assert all(np.isfinite(np.asarray(part)).all() for part in reconstructed[:2])
+        assert np.isfinite(np.asarray(jflashloop.decode_attention_reference(queries, cache, 0, loop))).all()
