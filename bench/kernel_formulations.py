@@ -47,9 +47,9 @@ def formulation(name, loop=0, pages_only=False):
         return bench.ours(loop, implementation=None)
     from jflashloop_triton_kernels import decode_attention as gluon
 
-    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k]: pipelined kernel, fused windows, token
-    # chunk, target programs, register cap, kernel partials only (no merge)
-    stages, fused, chunk, programs, partials, maxnreg = None, False, None, 2048, False, None
+    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k][-m]: pipelined kernel, fused windows,
+    # token chunk, target programs, register cap, kernel partials only (no merge), merge inside the kernel
+    stages, fused, chunk, programs, partials, maxnreg, merge = None, False, None, 2048, False, None, "xla"
     if name.startswith("gluon2-s"):
         kernel = "pipelined"
         head, *options = name.removeprefix("gluon2-s").split("-")
@@ -63,6 +63,8 @@ def formulation(name, loop=0, pages_only=False):
                 maxnreg = int(option[1:])
             elif option == "k":
                 partials = True
+            elif option == "m":
+                merge = "kernel"
     elif name == "gluon":
         kernel = "simple"
     else:
@@ -79,7 +81,7 @@ def formulation(name, loop=0, pages_only=False):
             scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
             stages=stages or 2, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
             min_pages_per_split=1,
-            partials_only=partials, maxnreg=maxnreg)
+            partials_only=partials, maxnreg=maxnreg, merge=merge)
 
     return run
 
