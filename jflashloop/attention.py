@@ -48,11 +48,13 @@ def decode_attention_reference(
       cache: the cache.
       layer, loop: 0-based Python ints.
       include_pending: attend to the token written by ``write_token`` but not
-        yet committed (the usual decode step), i.e. ``lengths + 1`` positions.
+        yet committed (the usual decode step), i.e. ``lengths + 1`` positions
+        (see :func:`jflashloop.paged_cache.visible_tokens`: an inactive slot
+        sees nothing, a full sequence does not see its dropped token).
       scale: softmax scale, default ``1 / sqrt(head_dim)``.
     Returns:
       float32 ``[max_sequences, q_heads, head_dim]``; zeros for a sequence with
-      no visible token.
+      no visible token (an inactive slot, whatever ``include_pending`` says).
     """
     c = cache.config
     _check_arguments(queries, cache, layer, loop)
@@ -130,7 +132,7 @@ def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: b
 
     c = cache.config
     pool = cache.layers[layer]
-    visible = cache.lengths + (1 if include_pending else 0)
+    visible = paged_cache.visible_tokens(cache, include_pending=include_pending)
     packed_end = (cache.lengths // c.page_size) * c.page_size
     packed_end = jnp.maximum(jnp.minimum(visible - c.recent_tokens, packed_end), 0)
     bounds = jnp.stack([visible, packed_end], axis=1).astype(jnp.int32)

@@ -31,7 +31,7 @@ sequence, and :func:`check` raises them on the host:
 
 * ``ERROR_OUT_OF_PAGES``: the pool ran out; a full page was not stored.
 * ``ERROR_SEQUENCE_FULL``: tokens beyond ``max_pages_per_sequence * page_size``
-  were dropped.
+  were dropped (a dropped token changes nothing else in the cache).
 * ``ERROR_NONFINITE_INPUT``: NaN/+-inf K/V were stored as 0 (counted in
   ``nonfinite_counts``).
 * ``ERROR_SLOT_REPLACED``: ``prefill`` into an active slot replaced its
@@ -42,7 +42,8 @@ sequence, and :func:`check` raises them on the host:
   ``allow_saturation=False``): values were stored at their format's limit
   (counted in ``saturation_counts``).
 
-An out-of-range slot under ``jit`` makes ``prefill`` and ``free`` no-ops.
+An out-of-range slot under ``jit`` makes ``prefill`` and ``free`` no-ops; an
+inactive slot stores no decode token and attends to nothing.
 :func:`validate` checks the whole structure on the host (after loading or
 transferring a cache). ``docs/reliability.md`` lists every rule.
 """
@@ -457,9 +458,12 @@ def write_token(
     Args:
       layer, loop: 0-based Python ints.
       keys, values: ``[max_sequences, kv_heads, head_dim]`` (a float dtype).
-        Entries of inactive slots are written but never read or counted.
+        Entries of inactive slots, and of sequences already holding
+        ``max_tokens_per_sequence`` tokens (the token is dropped; :func:`commit`
+        flags ``ERROR_SEQUENCE_FULL``), are neither stored nor counted: the
+        cache stays bit-identical for those slots.
 
-    NaN/+-inf entries of active sequences are stored as 0, counted in
+    NaN/+-inf entries of the stored tokens are stored as 0, counted in
     ``nonfinite_counts`` and flagged ``ERROR_NONFINITE_INPUT``; values beyond
     the window dtype's range are stored as its largest finite value and
     counted in ``saturation_counts`` (``ERROR_SATURATED``).
@@ -474,20 +478,21 @@ def write_token(
     keys, nonfinite_k, overflow_k = _stored_values(keys, cache.window_dtype)
     values, nonfinite_v, overflow_v = _stored_values(values, cache.window_dtype)
     keys, values = keys.astype(cache.window_dtype), values.astype(cache.window_dtype)
+    stored = cache.active & (cache.lengths < c.max_tokens_per_sequence)
     nonfinite = jnp.where(
-        cache.active, _count_per_sequence(nonfinite_k, 0) + _count_per_sequence(nonfinite_v, 0), 0
+        stored, _count_per_sequence(nonfinite_k, 0) + _count_per_sequence(nonfinite_v, 0), 0
     )
     saturated = jnp.where(
-        cache.active, _count_per_sequence(overflow_k, 0) + _count_per_sequence(overflow_v, 0), 0
+        stored, _count_per_sequence(overflow_k, 0) + _count_per_sequence(overflow_v, 0), 0
     )
     pool = cache.layers[layer]
-    ring_slot = cache.lengths % c.window_tokens
+    ring_slot = jnp.where(stored, cache.lengths % c.window_tokens, c.window_tokens)  # out of range: dropped
     sequences = jnp.arange(c.max_sequences)
-    ring_k = pool.ring_keys.at[loop, sequences, :, ring_slot].set(keys)
-    ring_v = pool.ring_values.at[loop, sequences, :, ring_slot].set(values)
+    ring_k = pool.ring_keys.at[loop, sequences, :, ring_slot].set(keys, mode="drop")
+    ring_v = pool.ring_values.at[loop, sequences, :, ring_slot].set(values, mode="drop")
     sink_k, sink_v = pool.sink_keys, pool.sink_values
     if c.sink_tokens:
-        in_sink = cache.lengths < c.sink_tokens
+        in_sink = stored & (cache.lengths < c.sink_tokens)
         sink_slot = jnp.where(in_sink, cache.lengths, c.sink_tokens)  # out of range: dropped
         sink_k = sink_k.at[loop, sequences, :, sink_slot].set(keys, mode="drop")
         sink_v = sink_v.at[loop, sequences, :, sink_slot].set(values, mode="drop")
@@ -615,6 +620,18 @@ def free(cache: PagedKVCache, slot: jax.Array | int) -> PagedKVCache:
     )
 
 
+def visible_tokens(cache: PagedKVCache, *, include_pending: bool = False) -> jax.Array:
+    """int32 ``[max_sequences]``: the tokens attention sees in each slot.
+
+    ``lengths``, plus the pending token written by :func:`write_token` with
+    ``include_pending``, at most ``max_tokens_per_sequence`` (a full
+    sequence's token is dropped, not stored), and 0 for an inactive slot
+    (whatever ``include_pending`` says).
+    """
+    visible = jnp.minimum(cache.lengths + int(include_pending), cache.config.max_tokens_per_sequence)
+    return jnp.where(cache.active, visible, 0).astype(jnp.int32)
+
+
 def window_mask(
     config: CacheConfig, length: jax.Array, visible: jax.Array, positions: int
 ) -> dict[str, jax.Array]:
@@ -622,7 +639,7 @@ def window_mask(
 
     Args:
       length: committed tokens (decides how many pages are packed).
-      visible: tokens attention sees (``length`` or ``length + 1``).
+      visible: tokens attention sees (:func:`visible_tokens`).
       positions: static number of positions to describe.
     Returns:
       bool ``[positions]`` masks ``sink``, ``ring``, ``pages`` (disjoint,
@@ -651,7 +668,10 @@ def reconstruct(
     Returns:
       ``(keys, values, visible)``: float32 ``[positions, kv_heads, head_dim]``
       with ``positions = max_tokens + include_pending`` (zero beyond
-      ``visible``) and the int32 number of visible tokens.
+      ``visible``) and the int32 number of visible tokens
+      (:func:`visible_tokens`: 0 for an inactive slot, at most
+      ``max_tokens_per_sequence``, so the last position is zero when
+      ``include_pending``).
     """
     c = cache.config
     check_static_index("layer", layer, c.num_layers)
@@ -666,14 +686,14 @@ def _reconstruct(cache: PagedKVCache, layer: int, loop: int, slot: jax.Array, in
     c = cache.config
     pool = cache.layers[layer]
     length = cache.lengths[slot]
-    visible = length + (1 if include_pending else 0)
+    visible = visible_tokens(cache, include_pending=include_pending)[slot]
     pages = jnp.maximum(cache.block_tables[slot], 0)
     tiles = tuple(loop_tiles.take(pages) for loop_tiles in pool.loops)
     page_keys, page_values = unpack_pages(tiles, loop)
     positions = c.max_tokens_per_sequence + int(include_pending)
     shape = (c.max_tokens_per_sequence, c.num_kv_heads, c.head_dim)
     page_keys, page_values = page_keys.reshape(shape), page_values.reshape(shape)
-    if include_pending:  # room for a pending token of a full sequence
+    if include_pending:  # the shape callers rely on (a full sequence drops its pending token)
         page_keys = jnp.pad(page_keys, ((0, 1), (0, 0), (0, 0)))
         page_values = jnp.pad(page_values, ((0, 1), (0, 0), (0, 0)))
     shape = (positions, c.num_kv_heads, c.head_dim)

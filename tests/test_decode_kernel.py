@@ -28,6 +28,7 @@ from tests.test_paged_cache import (
     nvfp4_residual_config,
     oracle_sequence,
     small_config,
+    tiny_config,
 )
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -190,6 +191,17 @@ def test_kernel_empty_sequences_give_zeros(rng):
     out = np.asarray(run_kernel(queries, cache, 0, 1))
     assert np.isfinite(out).all()
     assert not out[1:].any()
+
+
+def test_kernel_freed_slot_attends_to_nothing_even_with_a_pending_token(rng):
+    config = tiny_config()
+    cache, _ = build(rng, config, prompt_lengths=[20, 33], steps=0)
+    cache = jflashloop.paged_cache.free(cache, 0)
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    out = np.asarray(run_kernel(queries, cache, 0, 1, include_pending=True))
+    assert not out[0].any()
+    expected = jflashloop.decode_attention_reference(queries, cache, 0, 1, include_pending=True)
+    assert (relative_errors(out[1:], expected[1:]) < KERNEL_TOLERANCE).all()
 
 
 def test_public_dispatch_picks_the_backend(rng):

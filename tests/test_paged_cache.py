@@ -62,10 +62,15 @@ def _codec(spec):
 
 
 def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_pending=False):
-    """The oracle's float32 K and V ``[visible, H, D]`` for one sequence."""
+    """The oracle's float32 K and V ``[visible, H, D]`` for one sequence.
+
+    ``visible`` is 0 for an inactive slot and at most the sequence capacity
+    (a full sequence's pending token is dropped).
+    """
     config = cache.config
     length = int(cache.lengths[slot])
-    visible = length + int(include_pending)
+    visible = min(length + int(include_pending), config.max_tokens_per_sequence)
+    visible = visible if bool(cache.active[slot]) else 0
     pages = np.asarray(cache.block_tables[slot])
     row_positions = []
     for loop_tiles in cache.layers[layer].loops:
@@ -430,3 +435,73 @@ def test_saturation_is_counted_per_sequence(rng):
 def test_create_rejects_a_config_of_another_type():
     with pytest.raises(TypeError, match="config must be a CacheConfig"):
         paged_cache.create({"num_layers": 1})
+
+
+# --------------------------------------------------------------------------- isolation between sequences
+
+
+def assert_same_cache(actual, expected, *, except_fields=()):
+    """Every array of the two caches is bit-identical, apart from ``except_fields``."""
+    actual = dataclasses.replace(actual, **{name: getattr(expected, name) for name in except_fields})
+    leaves = jax.tree_util.tree_flatten_with_path(expected)[0]
+    for (path, leaf), other in zip(leaves, jax.tree.leaves(actual), strict=True):
+        assert_bits_equal(other, leaf, jax.tree_util.keystr(path))
+
+
+# Windows 4/16 at page 16 and 4/64 at page 64: the ring is exactly the recent window.
+FULL_WINDOWS = {"16/16": {}, "4/64": dict(page_size=64, recent_tokens=64, max_pages_per_sequence=2, num_pages=4)}
+_append_kept = jax.jit(paged_cache.append)  # no donation: the input cache is compared afterwards
+
+
+@pytest.mark.parametrize("windows", list(FULL_WINDOWS))
+def test_a_token_dropped_at_capacity_changes_nothing(rng, windows):
+    config = tiny_config(**FULL_WINDOWS[windows])
+    capacity = config.max_tokens_per_sequence
+    keys, values = looped_tokens(rng, config, capacity)
+    full = _prefill(paged_cache.create(config), 0, keys, values, capacity)  # slot 1 stays free
+    step_k, step_v = looped_tokens(rng, config, 1, batch=config.max_sequences)
+    step_k, step_v = step_k[:, :, :, 0], step_v[:, :, :, 0]
+    step_k[:, :, :, 0, 0] = np.nan  # a dropped token is not counted either
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    expected = jflashloop.decode_attention_reference(queries, full, 0, 1, include_pending=False)
+    written = full
+    for loop in range(config.num_loops):
+        written = paged_cache.write_token(written, 0, loop, step_k[0, loop], step_v[0, loop])
+    assert_same_cache(written, full)  # nothing stored: the pending token is not visible
+    _, _, visible = paged_cache.reconstruct(written, 0, 1, 0, include_pending=True)
+    assert int(visible) == capacity
+    pending = jflashloop.decode_attention_reference(queries, written, 0, 1, include_pending=True)
+    np.testing.assert_allclose(np.asarray(pending), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    appended = _append_kept(full, step_k, step_v)
+    assert appended.error_flags.tolist() == [paged_cache.ERROR_SEQUENCE_FULL, 0]
+    assert_same_cache(appended, full, except_fields=("error_flags",))
+
+
+@pytest.mark.parametrize("windows", list(FULL_WINDOWS))
+def test_prefill_beyond_capacity_equals_prefill_of_the_kept_tokens(rng, windows):
+    config = tiny_config(**FULL_WINDOWS[windows])
+    capacity = config.max_tokens_per_sequence
+    keys, values = looped_tokens(rng, config, capacity + 5)
+    longer = _prefill(paged_cache.create(config), 0, keys, values, capacity + 5)
+    kept = _prefill(paged_cache.create(config), 0, keys[:, :, :capacity], values[:, :, :capacity], capacity)
+    assert longer.error_flags.tolist() == [paged_cache.ERROR_SEQUENCE_FULL, 0]
+    assert_same_cache(longer, kept, except_fields=("error_flags",))
+
+
+def test_a_freed_slot_attends_to_nothing(rng):
+    config = tiny_config()
+    cache, _ = build(rng, config, prompt_lengths=[20, 33], steps=0)
+    freed = jax.jit(paged_cache.free)(cache, 0)
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    step_k, step_v = looped_tokens(rng, config, 1, batch=config.max_sequences)
+    written = freed
+    for loop in range(config.num_loops):
+        written = paged_cache.write_token(written, 0, loop, step_k[0, loop, :, 0], step_v[0, loop, :, 0])
+    for state in (freed, written):
+        for include_pending in (False, True):
+            out = jflashloop.decode_attention_reference(queries, state, 0, 1, include_pending=include_pending)
+            assert not np.asarray(out[0]).any()
+            keys, values, visible = paged_cache.reconstruct(state, 0, 1, 0, include_pending=include_pending)
+            assert int(visible) == 0 and not np.asarray(keys).any() and not np.asarray(values).any()
+    for name in ("sink_keys", "ring_keys", "ring_values"):  # the inactive slot's windows were not written
+        assert_bits_equal(getattr(written.layers[0], name)[:, 0], getattr(freed.layers[0], name)[:, 0], name)
