@@ -63,21 +63,21 @@ def decode_attention_reference(
     group = q_heads // c.num_kv_heads
 
     def one_sequence(query, slot):
-        keys, values, visible = paged_cache.reconstruct(
-            cache, layer, loop, slot, include_pending=include_pending
-        )
+        keys, values, _ = paged_cache.reconstruct(cache, layer, loop, slot, include_pending=include_pending)
+        regions = paged_cache.sequence_regions(cache, slot, include_pending=include_pending)
+        valid = regions["sink"] | regions["ring"] | regions["pages"]
+        seen = jnp.any(valid)
         keys = jnp.repeat(keys, group, axis=1)  # [T, q_heads, D]
         values = jnp.repeat(values, group, axis=1)
         scores = jnp.einsum(
             "hd,thd->ht", query.astype(jnp.float32), keys, precision=jax.lax.Precision.HIGHEST
         ) * scale
-        valid = jnp.arange(keys.shape[0]) < visible
         scores = jnp.where(valid[None, :], scores, -jnp.inf)
         top = jnp.max(scores, axis=-1, keepdims=True)
-        weights = jnp.where(valid[None, :], jnp.exp(scores - jnp.where(visible > 0, top, 0.0)), 0.0)
+        weights = jnp.where(valid[None, :], jnp.exp(scores - jnp.where(seen, top, 0.0)), 0.0)
         total = jnp.sum(weights, axis=-1, keepdims=True)
         out = jnp.einsum("ht,thd->hd", weights, values, precision=jax.lax.Precision.HIGHEST)
-        return jnp.where(visible > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+        return jnp.where(seen, out / jnp.where(total > 0, total, 1.0), 0.0)
 
     return jax.vmap(one_sequence)(queries, jnp.arange(sequences))
 
@@ -127,15 +127,26 @@ def kernel_rotations(cache: PagedKVCache, loop: int) -> tuple[int | None, int | 
 
 
 def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: bool):
-    """The arrays and static formats the fused kernel reads for (``layer``, ``loop``)."""
+    """The arrays and static formats the fused kernel reads for (``layer``, ``loop``).
+
+    ``bounds`` is int32 ``[max_sequences, 2]``: the visible tokens ``n``
+    (:func:`jflashloop.paged_cache.visible_tokens`: 0 for an inactive slot)
+    and ``end = max(window_start, 0)`` (:func:`jflashloop.paged_cache.window_start`
+    with the sequence's stored pages). The kernel reads positions
+    ``sink_tokens <= t < end`` from pages, through block-table columns below
+    ``ceil(end / page_size)``, and from the ring the positions ``>= end``
+    among the latest ``window_tokens`` before ``n``. Since ``end`` never
+    passes a sequence's first lost page, every block-table entry the kernel
+    reads holds one of the sequence's own pages (never -1), and it attends
+    exactly to :func:`jflashloop.paged_cache.sequence_regions`.
+    """
     from jflashloop_pallas_kernels.decode_attention import LoopFormat, StreamFormat
 
     c = cache.config
     pool = cache.layers[layer]
     visible = paged_cache.visible_tokens(cache, include_pending=include_pending)
-    packed_end = (cache.lengths // c.page_size) * c.page_size
-    packed_end = jnp.maximum(jnp.minimum(visible - c.recent_tokens, packed_end), 0)
-    bounds = jnp.stack([visible, packed_end], axis=1).astype(jnp.int32)
+    end = paged_cache.window_start(c, cache.lengths, visible, paged_cache.stored_pages(cache))
+    bounds = jnp.stack([visible, jnp.maximum(end, 0)], axis=1).astype(jnp.int32)
     streams, formats = [], []
     for index in range(loop + 1):
         storage = c.loops[index]

@@ -6,13 +6,17 @@ max_pages_per_sequence]`` of page ids (-1 = none) and per-sequence lengths.
 Each layer has its own pool arrays addressed by the same page ids.
 
 Where a token lives (``n`` = tokens visible, ``packed = length // page_size``
-complete pages):
+complete pages; :func:`window_mask` is the one definition):
 
 * ``t < sink_tokens``: the sink window (unquantized, every loop);
 * ``t >= min(n - recent_tokens, packed * page_size)``: the ring of recent
   tokens (unquantized, every loop; capacity ``max(recent_tokens, page_size)``,
   indexed ``t % capacity``): the recent window plus the page being filled;
 * otherwise: the page pool, as a residual chain (``page_chain``).
+
+A page the pool could not hold is lost (block-table entry -1): a sequence's
+pages are read only up to its first lost page, the positions after it that
+are still in the ring are read from the ring, the others are not attended.
 
 A page is packed (quantize-on-write) when its last token is committed; the
 tokens of a page that is not yet full stay unquantized, since a channel-axis
@@ -632,8 +636,40 @@ def visible_tokens(cache: PagedKVCache, *, include_pending: bool = False) -> jax
     return jnp.where(cache.active, visible, 0).astype(jnp.int32)
 
 
+def stored_pages(cache: PagedKVCache) -> jax.Array:
+    """int32 ``[max_sequences]``: leading block-table entries of each slot that hold a page.
+
+    A page that could not be stored (``ERROR_OUT_OF_PAGES``) has entry -1;
+    reading a sequence's pages stops at its first such entry, so a page of
+    another sequence is never read in its place.
+    """
+    present = (cache.block_tables >= 0).astype(jnp.int32)
+    return jnp.sum(jnp.cumprod(present, axis=1), axis=1, dtype=jnp.int32)
+
+
+def window_start(
+    config: CacheConfig, length: jax.Array, visible: jax.Array, stored: jax.Array | None = None
+) -> jax.Array:
+    """The first position read from the ring (int32, elementwise; may be negative).
+
+    ``min(visible - recent_tokens, packed_end)`` with ``packed_end =
+    min(length // page_size, stored) * page_size``: positions ``sink_tokens
+    <= t < start`` are read from pages, later ones from the ring.
+
+    Args:
+      length: committed tokens (decides how many pages are packed).
+      visible: tokens attention sees (:func:`visible_tokens`).
+      stored: :func:`stored_pages` (default: every full page was stored).
+    """
+    pages = length // config.page_size
+    if stored is not None:
+        pages = jnp.minimum(pages, stored)
+    return jnp.minimum(visible - config.recent_tokens, pages * config.page_size)
+
+
 def window_mask(
-    config: CacheConfig, length: jax.Array, visible: jax.Array, positions: int
+    config: CacheConfig, length: jax.Array, visible: jax.Array, positions: int, *,
+    stored: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Where each position ``t < positions`` is read from, for one sequence.
 
@@ -641,18 +677,44 @@ def window_mask(
       length: committed tokens (decides how many pages are packed).
       visible: tokens attention sees (:func:`visible_tokens`).
       positions: static number of positions to describe.
+      stored: the sequence's :func:`stored_pages` (default: all of its full pages).
     Returns:
-      bool ``[positions]`` masks ``sink``, ``ring``, ``pages`` (disjoint,
-      their union is ``t < visible``).
+      bool ``[positions]`` masks ``sink``, ``ring``, ``pages``. They are
+      disjoint and their union is ``t < visible``, except after a lost page:
+      from the first page not stored on, only the positions still in the ring
+      (the latest ``window_tokens``) are read, the others are lost.
     """
     t = jnp.arange(positions)
     inside = t < visible
     sink = inside & (t < config.sink_tokens)
-    packed_end = (length // config.page_size) * config.page_size
-    window_start = jnp.minimum(visible - config.recent_tokens, packed_end)
-    ring = inside & ~sink & (t >= window_start)
-    pages = inside & ~sink & ~ring
+    start = window_start(config, length, visible, stored)
+    ring_start = jnp.maximum(start, visible - config.window_tokens)  # the ring holds no older position
+    ring = inside & ~sink & (t >= ring_start)
+    pages = inside & ~sink & (t < start)
     return {"sink": sink, "ring": ring, "pages": pages}
+
+
+def _sequence_view(cache: PagedKVCache, slot: jax.Array, include_pending: bool):
+    """``(index, visible, regions)`` of ``slot`` for :func:`reconstruct` and attention."""
+    c = cache.config
+    positions = c.max_tokens_per_sequence + int(include_pending)
+    visible = visible_tokens(cache, include_pending=include_pending)[slot]
+    regions = window_mask(c, cache.lengths[slot], visible, positions, stored=stored_pages(cache)[slot])
+    return slot, visible, regions
+
+
+def sequence_regions(
+    cache: PagedKVCache, slot: jax.Array | int, *, include_pending: bool = False
+) -> dict[str, jax.Array]:
+    """The :func:`window_mask` of sequence ``slot``, as :func:`reconstruct` reads it.
+
+    Returns:
+      bool ``[positions]`` masks ``sink``, ``ring`` and ``pages``, with
+      ``positions = max_tokens_per_sequence + include_pending``; attention
+      attends exactly to their union (none for an inactive slot).
+    """
+    check_index("slot", slot, cache.config.max_sequences)
+    return _sequence_view(cache, jnp.asarray(slot, jnp.int32), include_pending)[2]
 
 
 def reconstruct(
@@ -668,7 +730,8 @@ def reconstruct(
     Returns:
       ``(keys, values, visible)``: float32 ``[positions, kv_heads, head_dim]``
       with ``positions = max_tokens + include_pending`` (zero beyond
-      ``visible``) and the int32 number of visible tokens
+      ``visible`` and at positions lost with a page, see
+      :func:`sequence_regions`) and the int32 number of visible tokens
       (:func:`visible_tokens`: 0 for an inactive slot, at most
       ``max_tokens_per_sequence``, so the last position is zero when
       ``include_pending``).
@@ -685,9 +748,8 @@ def _reconstruct(cache: PagedKVCache, layer: int, loop: int, slot: jax.Array, in
     """:func:`reconstruct` after its argument checks, compiled (eager calls stay fast)."""
     c = cache.config
     pool = cache.layers[layer]
-    length = cache.lengths[slot]
-    visible = visible_tokens(cache, include_pending=include_pending)[slot]
-    pages = jnp.maximum(cache.block_tables[slot], 0)
+    slot, visible, masks = _sequence_view(cache, slot, include_pending)
+    pages = jnp.maximum(cache.block_tables[slot], 0)  # -1 (lost) entries are masked out below
     tiles = tuple(loop_tiles.take(pages) for loop_tiles in pool.loops)
     page_keys, page_values = unpack_pages(tiles, loop)
     positions = c.max_tokens_per_sequence + int(include_pending)
@@ -697,7 +759,6 @@ def _reconstruct(cache: PagedKVCache, layer: int, loop: int, slot: jax.Array, in
         page_keys = jnp.pad(page_keys, ((0, 1), (0, 0), (0, 0)))
         page_values = jnp.pad(page_values, ((0, 1), (0, 0), (0, 0)))
     shape = (positions, c.num_kv_heads, c.head_dim)
-    masks = window_mask(c, length, visible, positions)
     t = jnp.arange(positions)
     ring_k = pool.ring_keys[loop, slot][:, t % c.window_tokens].transpose(1, 0, 2).astype(jnp.float32)
     ring_v = pool.ring_values[loop, slot][:, t % c.window_tokens].transpose(1, 0, 2).astype(jnp.float32)

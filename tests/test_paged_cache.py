@@ -61,17 +61,21 @@ def _codec(spec):
     return (spec.format, spec.axis, spec.group_size, spec.rotation_seed)
 
 
-def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_pending=False):
+def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_pending=False, stored_pages=None):
     """The oracle's float32 K and V ``[visible, H, D]`` for one sequence.
 
     ``visible`` is 0 for an inactive slot and at most the sequence capacity
-    (a full sequence's pending token is dropped).
+    (a full sequence's pending token is dropped); ``stored_pages`` (default:
+    the leading pages of the slot's block-table row) as in
+    ``reference.paged_cache.readable_positions``.
     """
     config = cache.config
     length = int(cache.lengths[slot])
     visible = min(length + int(include_pending), config.max_tokens_per_sequence)
     visible = visible if bool(cache.active[slot]) else 0
     pages = np.asarray(cache.block_tables[slot])
+    if stored_pages is None:
+        stored_pages = int(np.cumprod(pages >= 0).sum())
     row_positions = []
     for loop_tiles in cache.layers[layer].loops:
         if loop_tiles.row_positions is None:
@@ -80,7 +84,7 @@ def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_p
             row_positions.append(np.asarray(loop_tiles.row_positions)[:, np.maximum(pages, 0)])
     common = dict(
         length=length, visible=visible, page_size=config.page_size, sink_tokens=config.sink_tokens,
-        recent_tokens=config.recent_tokens, row_positions=row_positions, loop=loop,
+        recent_tokens=config.recent_tokens, row_positions=row_positions, loop=loop, stored_pages=stored_pages,
     )
     keys = reference.paged_cache.reconstruct_sequence(
         history_k[layer, :, slot],
@@ -448,6 +452,31 @@ def assert_same_cache(actual, expected, *, except_fields=()):
         assert_bits_equal(other, leaf, jax.tree_util.keystr(path))
 
 
+def oracle_attention(cache, history, queries, layer, loop, *, include_pending=False):
+    """float64 ``[max_sequences, q_heads, D]``: each slot's attention over its readable positions."""
+    config = cache.config
+    out = np.zeros(queries.shape)
+    for slot in range(config.max_sequences):
+        keys, values = oracle_sequence(cache, history.keys, history.values, layer, loop, slot,
+                                       include_pending=include_pending)
+        readable = reference.paged_cache.readable_positions(
+            length=int(cache.lengths[slot]), visible=keys.shape[0], page_size=config.page_size,
+            sink_tokens=config.sink_tokens, recent_tokens=config.recent_tokens,
+            stored_pages=int(np.cumprod(np.asarray(cache.block_tables[slot]) >= 0).sum()),
+        )
+        out[slot] = reference.attention.decode_attention(
+            np.asarray(queries[slot]), keys[readable], values[readable], int(readable.sum()))
+    return out
+
+
+def assert_attention_matches_oracle(cache, history, queries, *, include_pending=False):
+    """Loops 1 and the last (regions do not depend on the loop; the last reads every stream)."""
+    for loop in (0, cache.config.num_loops - 1):
+        actual = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=include_pending)
+        expected = oracle_attention(cache, history, queries, 0, loop, include_pending=include_pending)
+        np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=1e-6, err_msg=f"loop {loop + 1}")
+
+
 # Windows 4/16 at page 16 and 4/64 at page 64: the ring is exactly the recent window.
 FULL_WINDOWS = {"16/16": {}, "4/64": dict(page_size=64, recent_tokens=64, max_pages_per_sequence=2, num_pages=4)}
 _append_kept = jax.jit(paged_cache.append)  # no donation: the input cache is compared afterwards
@@ -486,6 +515,79 @@ def test_prefill_beyond_capacity_equals_prefill_of_the_kept_tokens(rng, windows)
     kept = _prefill(paged_cache.create(config), 0, keys[:, :, :capacity], values[:, :, :capacity], capacity)
     assert longer.error_flags.tolist() == [paged_cache.ERROR_SEQUENCE_FULL, 0]
     assert_same_cache(longer, kept, except_fields=("error_flags",))
+
+
+def lost_page_cache(rng, config, neighbour_seed):
+    """Slot 0 (the neighbour) takes 2 of 3 pages; slot 1's jitted 40-token prefill gets one, its second is lost.
+
+    Slot 1's tokens are the same for every ``neighbour_seed``; returns ``(cache, history)``.
+    """
+    history = History(config, 41)
+    keys, values = looped_tokens(np.random.default_rng(neighbour_seed), config, 40)
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 40)
+    history.prefill(0, keys, values, 40)
+    keys, values = looped_tokens(rng, config, 40)
+    cache = _prefill(cache, 1, keys, values, 40)
+    history.prefill(1, keys, values, 40)
+    return cache, history
+
+
+def hole_cache(rng, config):
+    """Slot 1's page 0 is lost (slot 0 held the pool), its page 1 stored after slot 0 was freed.
+
+    Returns ``(cache, history)``; slot 1's block-table row is ``[-1, page, -1]``.
+    """
+    keys, values = looped_tokens(rng, config, 48)
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 48)
+    history = History(config, 33)
+    keys, values = looped_tokens(rng, config, 20)
+    cache = _prefill(cache, 1, keys, values, 20)
+    history.prefill(1, keys, values, 20)
+    cache = jax.jit(paged_cache.free)(cache, 0)
+    for _ in range(12):
+        keys, values = looped_tokens(rng, config, 1, batch=config.max_sequences)
+        cache = _append_kept(cache, keys[:, :, :, 0], values[:, :, :, 0])
+        history.append(keys[:, :, :, 0], values[:, :, :, 0], np.array([False, True]))
+    return cache, history
+
+
+def lost_page_config():
+    return tiny_config(num_pages=3, max_pages_per_sequence=3, num_loops=3)  # loop 3 sparse
+
+
+def test_lost_pages_are_never_read(rng):
+    config = lost_page_config()
+    seed = int(rng.integers(2**31))
+    (cache, history), (other, _) = (lost_page_cache(np.random.default_rng(seed), config, s) for s in (1, 2))
+    assert np.asarray(cache.block_tables[1]).tolist() == [2, -1, -1]
+    assert cache.error_flags.tolist() == [0, paged_cache.ERROR_OUT_OF_PAGES]
+    assert_matches_oracle(cache, history.keys, history.values)
+    keys, _, visible = paged_cache.reconstruct(cache, 0, 2, 1)
+    assert int(visible) == 40 and not np.asarray(keys)[16:24].any()  # page 1's tokens that left the ring
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    assert_attention_matches_oracle(cache, history, queries)
+    # Slot 1 reads nothing of its neighbour: another neighbour gives the same bits.
+    for loop in range(config.num_loops):
+        for a, b in zip(paged_cache.reconstruct(cache, 0, loop, 1), paged_cache.reconstruct(other, 0, loop, 1),
+                        strict=True):
+            assert_bits_equal(a, b, f"slot 1 loop {loop + 1}")
+    for loop in (0, config.num_loops - 1):
+        mine = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=False)[1]
+        theirs = jflashloop.decode_attention_reference(queries, other, 0, loop, include_pending=False)[1]
+        assert_bits_equal(mine, theirs, f"attention of slot 1 loop {loop + 1}")
+
+
+def test_pages_after_a_lost_page_are_not_read(rng):
+    config = lost_page_config()
+    cache, history = hole_cache(rng, config)
+    row = np.asarray(cache.block_tables[1])
+    assert row[0] == -1 and row[1] >= 0 and int(cache.lengths[1]) == 32
+    assert cache.error_flags[1] & paged_cache.ERROR_OUT_OF_PAGES
+    assert_matches_oracle(cache, history.keys, history.values)
+    keys, _, _ = paged_cache.reconstruct(cache, 0, 0, 1)
+    assert not np.asarray(keys)[4:16].any()  # only the sink and the ring (tokens 16..31) are read
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    assert_attention_matches_oracle(cache, history, queries)
 
 
 def test_a_freed_slot_attends_to_nothing(rng):
