@@ -46,8 +46,9 @@ sequence, and :func:`check` raises them on the host:
   ``allow_saturation=False``): values were stored at their format's limit
   (counted in ``saturation_counts``).
 
-An out-of-range slot under ``jit`` makes ``prefill`` and ``free`` no-ops; an
-inactive slot stores no decode token and attends to nothing.
+An out-of-range slot under ``jit`` makes ``prefill`` and ``free`` no-ops and
+reads as an empty slot in :func:`reconstruct`; an inactive slot stores no
+decode token and attends to nothing.
 :func:`validate` checks the whole structure on the host (after loading or
 transferring a cache). ``docs/reliability.md`` lists every rule.
 """
@@ -695,12 +696,19 @@ def window_mask(
 
 
 def _sequence_view(cache: PagedKVCache, slot: jax.Array, include_pending: bool):
-    """``(index, visible, regions)`` of ``slot`` for :func:`reconstruct` and attention."""
+    """``(index, visible, regions)`` of ``slot`` for :func:`reconstruct` and attention.
+
+    ``index`` is ``slot`` clipped into range; a ``slot`` outside ``[0,
+    max_sequences)`` (a tracer under ``jit``) sees nothing: ``visible`` 0 and
+    every region empty, so it never reads another slot.
+    """
     c = cache.config
     positions = c.max_tokens_per_sequence + int(include_pending)
-    visible = visible_tokens(cache, include_pending=include_pending)[slot]
-    regions = window_mask(c, cache.lengths[slot], visible, positions, stored=stored_pages(cache)[slot])
-    return slot, visible, regions
+    index = jnp.clip(slot, 0, c.max_sequences - 1)
+    inside = (slot >= 0) & (slot < c.max_sequences)
+    visible = jnp.where(inside, visible_tokens(cache, include_pending=include_pending)[index], 0)
+    regions = window_mask(c, cache.lengths[index], visible, positions, stored=stored_pages(cache)[index])
+    return index, visible, regions
 
 
 def sequence_regions(
@@ -711,7 +719,8 @@ def sequence_regions(
     Returns:
       bool ``[positions]`` masks ``sink``, ``ring`` and ``pages``, with
       ``positions = max_tokens_per_sequence + include_pending``; attention
-      attends exactly to their union (none for an inactive slot).
+      attends exactly to their union. All empty for an inactive slot and,
+      under ``jit``, for a slot outside ``[0, max_sequences)``.
     """
     check_index("slot", slot, cache.config.max_sequences)
     return _sequence_view(cache, jnp.asarray(slot, jnp.int32), include_pending)[2]
@@ -724,7 +733,9 @@ def reconstruct(
 
     Args:
       layer, loop: 0-based Python ints.
-      slot: the sequence slot.
+      slot: the sequence slot, in ``[0, max_sequences)`` (checked when
+        concrete; under ``jit`` a slot out of range reads as an empty slot:
+        ``visible`` 0 and zeros).
       include_pending: also show the token written by :func:`write_token` and
         not yet committed.
     Returns:

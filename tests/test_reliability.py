@@ -251,6 +251,16 @@ def test_prefill_beyond_capacity_keeps_the_windows_of_the_kept_tokens():
     assert int(visible) == 32
 
 
+def test_jitted_reconstruct_of_a_slot_out_of_range_reads_nothing():
+    keys, values = kv(seed=4)
+    cache = _prefill(one_active_cache(), 1, keys, values, 30)  # both slots hold tokens
+    jitted = jax.jit(paged_cache.reconstruct, static_argnums=(1, 2), static_argnames="include_pending")
+    for slot in (2, 5, -1):  # JAX indexing would clamp 2 and 5 and wrap -1 to slot 1
+        for include_pending in (False, True):
+            k, v, visible = jitted(cache, 0, 1, jnp.int32(slot), include_pending=include_pending)
+            assert int(visible) == 0 and not np.asarray(k).any() and not np.asarray(v).any(), slot
+
+
 # --------------------------------------------------------------------------- checked mode
 
 
