@@ -227,6 +227,16 @@ def _ring_slots(config: CacheConfig, length: jax.Array) -> tuple[jax.Array, jax.
     return positions, positions >= 0
 
 
+def _window_rows(head_major: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+    """Rows ``positions`` of ``head_major`` ``[loops, H, tokens, D]``, zero where not ``valid``.
+
+    Returns ``[loops, H, len(positions), D]``; positions beyond the prompt
+    (fewer tokens than the window) are never gathered.
+    """
+    rows = head_major[:, :, jnp.clip(positions, 0, head_major.shape[2] - 1)]
+    return jnp.where(valid[None, None, :, None], rows, jnp.zeros((), rows.dtype))
+
+
 def _stored_values(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     """What the cache stores (and packs from) for input K/V ``x``, as float32.
 
@@ -408,6 +418,7 @@ def prefill(
     block_row = block_row.at[:max_full].set(jnp.where(granted, page_ids, -1))
 
     ring_positions, ring_valid = _ring_slots(c, length)
+    sink_positions = jnp.arange(c.sink_tokens)
     new_layers = []
     for layer_index, layer in enumerate(cache.layers):
         layer_keys, layer_values = keys[layer_index], values[layer_index]
@@ -423,18 +434,17 @@ def prefill(
         # [loops, tokens, H, D] -> [loops, H, tokens, D] for the head-major windows.
         head_major_k = layer_keys.transpose(0, 2, 1, 3).astype(cache.window_dtype)
         head_major_v = layer_values.transpose(0, 2, 1, 3).astype(cache.window_dtype)
-        sink_k = layer.sink_keys.at[:, slot_index].set(head_major_k[:, :, : c.sink_tokens], mode="drop")
-        sink_v = layer.sink_values.at[:, slot_index].set(head_major_v[:, :, : c.sink_tokens], mode="drop")
-        gather = jnp.clip(ring_positions, 0, tokens - 1)
-        ring_k = jnp.where(ring_valid[None, None, :, None], head_major_k[:, :, gather], 0)
-        ring_v = jnp.where(ring_valid[None, None, :, None], head_major_v[:, :, gather], 0)
+
+        def windows(stored, head_major, positions, valid):
+            return stored.at[:, slot_index].set(_window_rows(head_major, positions, valid), mode="drop")
+
         new_layers.append(
             LayerPool(
                 loops=loops,
-                sink_keys=sink_k,
-                sink_values=sink_v,
-                ring_keys=layer.ring_keys.at[:, slot_index].set(ring_k, mode="drop"),
-                ring_values=layer.ring_values.at[:, slot_index].set(ring_v, mode="drop"),
+                sink_keys=windows(layer.sink_keys, head_major_k, sink_positions, sink_positions < length),
+                sink_values=windows(layer.sink_values, head_major_v, sink_positions, sink_positions < length),
+                ring_keys=windows(layer.ring_keys, head_major_k, ring_positions, ring_valid),
+                ring_values=windows(layer.ring_values, head_major_v, ring_positions, ring_valid),
             )
         )
     error = error | jnp.where(nonfinite > 0, ERROR_NONFINITE_INPUT, 0)

@@ -607,3 +607,21 @@ def test_a_freed_slot_attends_to_nothing(rng):
             assert int(visible) == 0 and not np.asarray(keys).any() and not np.asarray(values).any()
     for name in ("sink_keys", "ring_keys", "ring_values"):  # the inactive slot's windows were not written
         assert_bits_equal(getattr(written.layers[0], name)[:, 0], getattr(freed.layers[0], name)[:, 0], name)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_prefill_shorter_than_the_sink_window(rng, tokens):
+    config = tiny_config()  # sink_tokens=4
+    cache, history = paged_cache.create(config), History(config, max(tokens, 2) + 18)
+    for slot, length in enumerate([tokens, 2]):
+        keys, values = looped_tokens(rng, config, length)
+        cache = _prefill(cache, slot, keys, values, length)
+        history.prefill(slot, keys, values, length)
+    assert_matches_oracle(cache, history.keys, history.values, include_pending=False)
+    eager = paged_cache.prefill(paged_cache.create(config), 0, *looped_tokens(rng, config, tokens))
+    assert int(eager.lengths[0]) == tokens
+    for _ in range(18):  # across the sink window and the first page boundary
+        keys, values = looped_tokens(rng, config, 1, batch=config.max_sequences)
+        cache = _append(cache, keys[:, :, :, 0], values[:, :, :, 0])
+        history.append(keys[:, :, :, 0], values[:, :, :, 0], np.ones(2, bool))
+    assert_matches_oracle(cache, history.keys, history.values)
