@@ -12,8 +12,11 @@ from .paged_cache import PagedKVCache
 
 
 def _check_arguments(queries, cache: PagedKVCache, layer: int, loop: int) -> None:
-    """Raise ``ValueError`` naming the expected shapes and index ranges."""
+    """Raise ``TypeError`` for a non-floating query dtype, ``ValueError`` naming
+    the expected shapes and index ranges (both paths run this check)."""
     c = cache.config
+    if not jnp.issubdtype(queries.dtype, jnp.floating):
+        raise TypeError(f"queries must have a floating dtype (float32, bfloat16, float16), got {queries.dtype}")
     if queries.ndim != 3:
         raise ValueError(f"queries must have rank 3 [max_sequences, q_heads, head_dim], got {tuple(queries.shape)}")
     sequences, q_heads, head_dim = queries.shape
@@ -42,9 +45,9 @@ def decode_attention_reference(
     attention at ``HIGHEST`` matmul precision.
 
     Args:
-      queries: ``[max_sequences, q_heads, head_dim]``; ``q_heads`` is a multiple
-        of ``kv_heads`` and query head ``h`` reads KV head ``h // (q_heads //
-        kv_heads)`` (GQA).
+      queries: ``[max_sequences, q_heads, head_dim]``, a floating dtype (read
+        as float32); ``q_heads`` is a multiple of ``kv_heads`` and query head
+        ``h`` reads KV head ``h // (q_heads // kv_heads)`` (GQA).
       cache: the cache.
       layer, loop: 0-based Python ints.
       include_pending: attend to the token written by ``write_token`` but not
@@ -225,12 +228,15 @@ def decode_attention(
       accumulates in float32. With float16 products, decoded K/V must lie
       within +-65504.
     Raises:
+      TypeError: queries of a non-floating dtype (int, bool, complex).
+      ValueError: queries of the wrong shape, layer or loop out of range.
       NotImplementedError: ``implementation="pallas"`` for streams the fused
         kernel does not read (the automatic choice falls back to the
         reference path instead).
     """
     if implementation not in ("xla", "pallas", None):
         raise ValueError(f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
+    _check_arguments(queries, cache, layer, loop)
     automatic = implementation is None
     if automatic:
         implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
@@ -248,7 +254,6 @@ def decode_attention(
     from jflashloop_pallas_kernels.decode_attention import KernelConfig, paged_decode_attention
 
     c = cache.config
-    _check_arguments(queries, cache, layer, loop)
     head_dim = queries.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     inputs = kernel_inputs(cache, layer, loop, include_pending)

@@ -72,6 +72,10 @@ def _with_inf(x):
     return x
 
 
+def _queries(dtype):
+    return jnp.ones((2, 2, 16), dtype)
+
+
 def _corrupt(**changes):
     return dataclasses.replace(one_active_cache(), **changes)
 
@@ -161,6 +165,16 @@ BAD_INPUTS = [
      IndexError, "loop must be in \\[0, 2\\), got 2"),
     ("reconstruct: slot out of range", lambda: paged_cache.reconstruct(one_active_cache(), 0, 0, 5),
      IndexError, "slot must be in \\[0, 2\\), got 5"),
+    ("decode_attention: int queries", lambda: jflashloop.decode_attention(_queries(jnp.int32), one_active_cache(), 0, 0),
+     TypeError, "queries must have a floating dtype \\(float32, bfloat16, float16\\), got int32"),
+    ("decode_attention: bool queries", lambda: jflashloop.decode_attention(_queries(bool), one_active_cache(), 0, 0),
+     TypeError, "queries must have a floating dtype .*got bool"),
+    ("decode_attention: complex queries",
+     lambda: jflashloop.decode_attention(_queries(jnp.complex64), one_active_cache(), 0, 0),
+     TypeError, "queries must have a floating dtype .*got complex64"),
+    ("decode_attention (fused): int queries",
+     lambda: jflashloop.decode_attention(_queries(jnp.int32), one_active_cache(), 0, 0, implementation="pallas"),
+     TypeError, "queries must have a floating dtype .*got int32"),
     ("free: slot out of range", lambda: paged_cache.free(one_active_cache(), 2), IndexError, "slot must be in"),
     ("validate: page owned twice",
      lambda: paged_cache.validate(_corrupt(
