@@ -126,6 +126,9 @@ BAD_INPUTS = [
     ("encode_residual: position out of range",
      lambda: jflashloop.encode_residual(x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES, np.array([0, 10])),
      ValueError, "positions must lie in \\[0, 10\\)"),
+    ("encode_residual: empty positions",
+     lambda: jflashloop.encode_residual(x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES, np.array([], np.int32)),
+     ValueError, "positions must hold at least one position"),
     ("encode_residual: float positions",
      lambda: jflashloop.encode_residual(x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES, np.array([0.5])),
      TypeError, "positions must be integers"),
@@ -273,6 +276,27 @@ def test_jitted_reconstruct_of_a_slot_out_of_range_reads_nothing():
         for include_pending in (False, True):
             k, v, visible = jitted(cache, 0, 1, jnp.int32(slot), include_pending=include_pending)
             assert int(visible) == 0 and not np.asarray(k).any() and not np.asarray(v).any(), slot
+
+
+@pytest.mark.parametrize("spec", [jflashloop.INT4_VALUES, jflashloop.NVFP4])
+def test_jitted_residual_positions_follow_the_documented_rule(spec):
+    rng = np.random.default_rng(0)
+    target, predecessor = (jnp.asarray(rng.standard_normal((10, 1, 16)), jnp.float32) for _ in range(2))
+
+    @jax.jit
+    def round_trip(positions):
+        return jflashloop.decode_residual(jflashloop.encode_residual(target, predecessor, spec, positions), predecessor)
+
+    def same(a, b):
+        np.testing.assert_array_equal(np.asarray(round_trip(jnp.array(a))), np.asarray(round_trip(jnp.array(b))))
+
+    same([5, 1, 3], [1, 3, 5])  # each row updates its own position, in any order
+    same([1, 1, 3], [1, 3, 3])  # a repeated position is applied once (its first row)
+    np.testing.assert_array_equal(np.asarray(round_trip(jnp.array([1, 1, 3])))[[1, 3]],
+                                  np.asarray(round_trip(jnp.array([1, 3])))[[1, 3]])
+    same([-1, 3, 10], [3, 3, 3])  # positions outside [0, tokens) are ignored (never wrapped)
+    untouched = np.asarray(round_trip(jnp.array([-1, 3, 10])))
+    np.testing.assert_array_equal(np.delete(untouched, 3, axis=0), np.delete(np.asarray(predecessor), 3, axis=0))
 
 
 # --------------------------------------------------------------------------- checked mode
