@@ -12,8 +12,11 @@ from .paged_cache import PagedKVCache
 
 
 def _check_arguments(queries, cache: PagedKVCache, layer: int, loop: int) -> None:
-    """Raise ``ValueError`` naming the expected shapes and index ranges."""
+    """Raise ``TypeError`` for a non-floating query dtype, ``ValueError`` naming
+    the expected shapes and index ranges (both paths run this check)."""
     c = cache.config
+    if not jnp.issubdtype(queries.dtype, jnp.floating):
+        raise TypeError(f"queries must have a floating dtype (float32, bfloat16, float16), got {queries.dtype}")
     if queries.ndim != 3:
         raise ValueError(f"queries must have rank 3 [max_sequences, q_heads, head_dim], got {tuple(queries.shape)}")
     sequences, q_heads, head_dim = queries.shape
@@ -42,17 +45,19 @@ def decode_attention_reference(
     attention at ``HIGHEST`` matmul precision.
 
     Args:
-      queries: ``[max_sequences, q_heads, head_dim]``; ``q_heads`` is a multiple
-        of ``kv_heads`` and query head ``h`` reads KV head ``h // (q_heads //
-        kv_heads)`` (GQA).
+      queries: ``[max_sequences, q_heads, head_dim]``, a floating dtype (read
+        as float32); ``q_heads`` is a multiple of ``kv_heads`` and query head
+        ``h`` reads KV head ``h // (q_heads // kv_heads)`` (GQA).
       cache: the cache.
       layer, loop: 0-based Python ints.
       include_pending: attend to the token written by ``write_token`` but not
-        yet committed (the usual decode step), i.e. ``lengths + 1`` positions.
+        yet committed (the usual decode step), i.e. ``lengths + 1`` positions
+        (see :func:`jflashloop.paged_cache.visible_tokens`: an inactive slot
+        sees nothing, a full sequence does not see its dropped token).
       scale: softmax scale, default ``1 / sqrt(head_dim)``.
     Returns:
       float32 ``[max_sequences, q_heads, head_dim]``; zeros for a sequence with
-      no visible token.
+      no visible token (an inactive slot, whatever ``include_pending`` says).
     """
     c = cache.config
     _check_arguments(queries, cache, layer, loop)
@@ -61,21 +66,21 @@ def decode_attention_reference(
     group = q_heads // c.num_kv_heads
 
     def one_sequence(query, slot):
-        keys, values, visible = paged_cache.reconstruct(
-            cache, layer, loop, slot, include_pending=include_pending
-        )
+        keys, values, _ = paged_cache.reconstruct(cache, layer, loop, slot, include_pending=include_pending)
+        regions = paged_cache.sequence_regions(cache, slot, include_pending=include_pending)
+        valid = regions["sink"] | regions["ring"] | regions["pages"]
+        seen = jnp.any(valid)
         keys = jnp.repeat(keys, group, axis=1)  # [T, q_heads, D]
         values = jnp.repeat(values, group, axis=1)
         scores = jnp.einsum(
             "hd,thd->ht", query.astype(jnp.float32), keys, precision=jax.lax.Precision.HIGHEST
         ) * scale
-        valid = jnp.arange(keys.shape[0]) < visible
         scores = jnp.where(valid[None, :], scores, -jnp.inf)
         top = jnp.max(scores, axis=-1, keepdims=True)
-        weights = jnp.where(valid[None, :], jnp.exp(scores - jnp.where(visible > 0, top, 0.0)), 0.0)
+        weights = jnp.where(valid[None, :], jnp.exp(scores - jnp.where(seen, top, 0.0)), 0.0)
         total = jnp.sum(weights, axis=-1, keepdims=True)
         out = jnp.einsum("ht,thd->hd", weights, values, precision=jax.lax.Precision.HIGHEST)
-        return jnp.where(visible > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+        return jnp.where(seen, out / jnp.where(total > 0, total, 1.0), 0.0)
 
     return jax.vmap(one_sequence)(queries, jnp.arange(sequences))
 
@@ -125,15 +130,26 @@ def kernel_rotations(cache: PagedKVCache, loop: int) -> tuple[int | None, int | 
 
 
 def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: bool):
-    """The arrays and static formats the fused kernel reads for (``layer``, ``loop``)."""
+    """The arrays and static formats the fused kernel reads for (``layer``, ``loop``).
+
+    ``bounds`` is int32 ``[max_sequences, 2]``: the visible tokens ``n``
+    (:func:`jflashloop.paged_cache.visible_tokens`: 0 for an inactive slot)
+    and ``end = max(window_start, 0)`` (:func:`jflashloop.paged_cache.window_start`
+    with the sequence's stored pages). The kernel reads positions
+    ``sink_tokens <= t < end`` from pages, through block-table columns below
+    ``ceil(end / page_size)``, and from the ring the positions ``>= end``
+    among the latest ``window_tokens`` before ``n``. Since ``end`` never
+    passes a sequence's first lost page, every block-table entry the kernel
+    reads holds one of the sequence's own pages (never -1), and it attends
+    exactly to :func:`jflashloop.paged_cache.sequence_regions`.
+    """
     from jflashloop_pallas_kernels.decode_attention import LoopFormat, StreamFormat
 
     c = cache.config
     pool = cache.layers[layer]
-    visible = cache.lengths + (1 if include_pending else 0)
-    packed_end = (cache.lengths // c.page_size) * c.page_size
-    packed_end = jnp.maximum(jnp.minimum(visible - c.recent_tokens, packed_end), 0)
-    bounds = jnp.stack([visible, packed_end], axis=1).astype(jnp.int32)
+    visible = paged_cache.visible_tokens(cache, include_pending=include_pending)
+    end = paged_cache.window_start(c, cache.lengths, visible, paged_cache.stored_pages(cache))
+    bounds = jnp.stack([visible, jnp.maximum(end, 0)], axis=1).astype(jnp.int32)
     streams, formats = [], []
     for index in range(loop + 1):
         storage = c.loops[index]
@@ -320,12 +336,15 @@ def decode_attention(
       accumulates in float32. With float16 products, decoded K/V must lie
       within +-65504.
     Raises:
+      TypeError: queries of a non-floating dtype (int, bool, complex).
+      ValueError: queries of the wrong shape, layer or loop out of range.
       NotImplementedError: ``implementation="pallas"`` for streams the fused
         kernel does not read (the automatic choice falls back to the
         reference path instead).
     """
     if implementation not in ("xla", "pallas", "gluon", None):
         raise ValueError(f"implementation must be None, 'xla', 'pallas' or 'gluon', got {implementation!r}")
+    _check_arguments(queries, cache, layer, loop)
     automatic = implementation is None
     if automatic:
         implementation = "xla"
@@ -351,7 +370,6 @@ def decode_attention(
     from jflashloop_pallas_kernels.decode_attention import KernelConfig, paged_decode_attention
 
     c = cache.config
-    _check_arguments(queries, cache, layer, loop)
     head_dim = queries.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     inputs = kernel_inputs(cache, layer, loop, include_pending)

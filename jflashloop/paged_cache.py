@@ -6,13 +6,17 @@ max_pages_per_sequence]`` of page ids (-1 = none) and per-sequence lengths.
 Each layer has its own pool arrays addressed by the same page ids.
 
 Where a token lives (``n`` = tokens visible, ``packed = length // page_size``
-complete pages):
+complete pages; :func:`window_mask` is the one definition):
 
 * ``t < sink_tokens``: the sink window (unquantized, every loop);
 * ``t >= min(n - recent_tokens, packed * page_size)``: the ring of recent
   tokens (unquantized, every loop; capacity ``max(recent_tokens, page_size)``,
   indexed ``t % capacity``): the recent window plus the page being filled;
 * otherwise: the page pool, as a residual chain (``page_chain``).
+
+A page the pool could not hold is lost (block-table entry -1): a sequence's
+pages are read only up to its first lost page, the positions after it that
+are still in the ring are read from the ring, the others are not attended.
 
 A page is packed (quantize-on-write) when its last token is committed; the
 tokens of a page that is not yet full stay unquantized, since a channel-axis
@@ -31,7 +35,7 @@ sequence, and :func:`check` raises them on the host:
 
 * ``ERROR_OUT_OF_PAGES``: the pool ran out; a full page was not stored.
 * ``ERROR_SEQUENCE_FULL``: tokens beyond ``max_pages_per_sequence * page_size``
-  were dropped.
+  were dropped (a dropped token changes nothing else in the cache).
 * ``ERROR_NONFINITE_INPUT``: NaN/+-inf K/V were stored as 0 (counted in
   ``nonfinite_counts``).
 * ``ERROR_SLOT_REPLACED``: ``prefill`` into an active slot replaced its
@@ -42,7 +46,9 @@ sequence, and :func:`check` raises them on the host:
   ``allow_saturation=False``): values were stored at their format's limit
   (counted in ``saturation_counts``).
 
-An out-of-range slot under ``jit`` makes ``prefill`` and ``free`` no-ops.
+An out-of-range slot under ``jit`` makes ``prefill`` and ``free`` no-ops and
+reads as an empty slot in :func:`reconstruct`; an inactive slot stores no
+decode token and attends to nothing.
 :func:`validate` checks the whole structure on the host (after loading or
 transferring a cache). ``docs/reliability.md`` lists every rule.
 """
@@ -220,6 +226,16 @@ def _ring_slots(config: CacheConfig, length: jax.Array) -> tuple[jax.Array, jax.
     slots = jnp.arange(capacity)
     positions = slots + capacity * jnp.floor_divide(length - 1 - slots, capacity)
     return positions, positions >= 0
+
+
+def _window_rows(head_major: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+    """Rows ``positions`` of ``head_major`` ``[loops, H, tokens, D]``, zero where not ``valid``.
+
+    Returns ``[loops, H, len(positions), D]``; positions beyond the prompt
+    (fewer tokens than the window) are never gathered.
+    """
+    rows = head_major[:, :, jnp.clip(positions, 0, head_major.shape[2] - 1)]
+    return jnp.where(valid[None, None, :, None], rows, jnp.zeros((), rows.dtype))
 
 
 def _stored_values(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -425,6 +441,7 @@ def prefill(
     block_row = block_row.at[:max_full].set(jnp.where(granted, page_ids, -1))
 
     ring_positions, ring_valid = _ring_slots(c, length)
+    sink_positions = jnp.arange(c.sink_tokens)
     new_layers = []
     for layer_index, layer in enumerate(cache.layers):
         layer_keys, layer_values = keys[layer_index], values[layer_index]
@@ -440,18 +457,17 @@ def prefill(
         # [loops, tokens, H, D] -> [loops, H, tokens, D] for the head-major windows.
         head_major_k = layer_keys.transpose(0, 2, 1, 3).astype(cache.window_dtype)
         head_major_v = layer_values.transpose(0, 2, 1, 3).astype(cache.window_dtype)
-        sink_k = layer.sink_keys.at[:, slot_index].set(head_major_k[:, :, : c.sink_tokens], mode="drop")
-        sink_v = layer.sink_values.at[:, slot_index].set(head_major_v[:, :, : c.sink_tokens], mode="drop")
-        gather = jnp.clip(ring_positions, 0, tokens - 1)
-        ring_k = jnp.where(ring_valid[None, None, :, None], head_major_k[:, :, gather], 0)
-        ring_v = jnp.where(ring_valid[None, None, :, None], head_major_v[:, :, gather], 0)
+
+        def windows(stored, head_major, positions, valid):
+            return stored.at[:, slot_index].set(_window_rows(head_major, positions, valid), mode="drop")
+
         new_layers.append(
             LayerPool(
                 loops=loops,
-                sink_keys=sink_k,
-                sink_values=sink_v,
-                ring_keys=layer.ring_keys.at[:, slot_index].set(ring_k, mode="drop"),
-                ring_values=layer.ring_values.at[:, slot_index].set(ring_v, mode="drop"),
+                sink_keys=windows(layer.sink_keys, head_major_k, sink_positions, sink_positions < length),
+                sink_values=windows(layer.sink_values, head_major_v, sink_positions, sink_positions < length),
+                ring_keys=windows(layer.ring_keys, head_major_k, ring_positions, ring_valid),
+                ring_values=windows(layer.ring_values, head_major_v, ring_positions, ring_valid),
             )
         )
     error = error | jnp.where(nonfinite > 0, ERROR_NONFINITE_INPUT, 0)
@@ -480,9 +496,12 @@ def write_token(
     Args:
       layer, loop: 0-based Python ints.
       keys, values: ``[max_sequences, kv_heads, head_dim]`` (a float dtype).
-        Entries of inactive slots are written but never read or counted.
+        Entries of inactive slots, and of sequences already holding
+        ``max_tokens_per_sequence`` tokens (the token is dropped; :func:`commit`
+        flags ``ERROR_SEQUENCE_FULL``), are neither stored nor counted: the
+        cache stays bit-identical for those slots.
 
-    NaN/+-inf entries of active sequences are stored as 0, counted in
+    NaN/+-inf entries of the stored tokens are stored as 0, counted in
     ``nonfinite_counts`` and flagged ``ERROR_NONFINITE_INPUT``; values beyond
     the window dtype's range are stored as its largest finite value and
     counted in ``saturation_counts`` (``ERROR_SATURATED``).
@@ -497,20 +516,21 @@ def write_token(
     keys, nonfinite_k, overflow_k = _stored_values(keys, cache.window_dtype)
     values, nonfinite_v, overflow_v = _stored_values(values, cache.window_dtype)
     keys, values = keys.astype(cache.window_dtype), values.astype(cache.window_dtype)
+    stored = cache.active & (cache.lengths < c.max_tokens_per_sequence)
     nonfinite = jnp.where(
-        cache.active, _count_per_sequence(nonfinite_k, 0) + _count_per_sequence(nonfinite_v, 0), 0
+        stored, _count_per_sequence(nonfinite_k, 0) + _count_per_sequence(nonfinite_v, 0), 0
     )
     saturated = jnp.where(
-        cache.active, _count_per_sequence(overflow_k, 0) + _count_per_sequence(overflow_v, 0), 0
+        stored, _count_per_sequence(overflow_k, 0) + _count_per_sequence(overflow_v, 0), 0
     )
     pool = cache.layers[layer]
-    ring_slot = cache.lengths % c.window_tokens
+    ring_slot = jnp.where(stored, cache.lengths % c.window_tokens, c.window_tokens)  # out of range: dropped
     sequences = jnp.arange(c.max_sequences)
-    ring_k = pool.ring_keys.at[loop, sequences, :, ring_slot].set(keys)
-    ring_v = pool.ring_values.at[loop, sequences, :, ring_slot].set(values)
+    ring_k = pool.ring_keys.at[loop, sequences, :, ring_slot].set(keys, mode="drop")
+    ring_v = pool.ring_values.at[loop, sequences, :, ring_slot].set(values, mode="drop")
     sink_k, sink_v = pool.sink_keys, pool.sink_values
     if c.sink_tokens:
-        in_sink = cache.lengths < c.sink_tokens
+        in_sink = stored & (cache.lengths < c.sink_tokens)
         sink_slot = jnp.where(in_sink, cache.lengths, c.sink_tokens)  # out of range: dropped
         sink_k = sink_k.at[loop, sequences, :, sink_slot].set(keys, mode="drop")
         sink_v = sink_v.at[loop, sequences, :, sink_slot].set(values, mode="drop")
@@ -634,27 +654,105 @@ def free(cache: PagedKVCache, slot: jax.Array | int) -> PagedKVCache:
     )
 
 
+def visible_tokens(cache: PagedKVCache, *, include_pending: bool = False) -> jax.Array:
+    """int32 ``[max_sequences]``: the tokens attention sees in each slot.
+
+    ``lengths``, plus the pending token written by :func:`write_token` with
+    ``include_pending``, at most ``max_tokens_per_sequence`` (a full
+    sequence's token is dropped, not stored), and 0 for an inactive slot
+    (whatever ``include_pending`` says).
+    """
+    visible = jnp.minimum(cache.lengths + int(include_pending), cache.config.max_tokens_per_sequence)
+    return jnp.where(cache.active, visible, 0).astype(jnp.int32)
+
+
+def stored_pages(cache: PagedKVCache) -> jax.Array:
+    """int32 ``[max_sequences]``: leading block-table entries of each slot that hold a page.
+
+    A page that could not be stored (``ERROR_OUT_OF_PAGES``) has entry -1;
+    reading a sequence's pages stops at its first such entry, so a page of
+    another sequence is never read in its place.
+    """
+    present = (cache.block_tables >= 0).astype(jnp.int32)
+    return jnp.sum(jnp.cumprod(present, axis=1), axis=1, dtype=jnp.int32)
+
+
+def window_start(
+    config: CacheConfig, length: jax.Array, visible: jax.Array, stored: jax.Array | None = None
+) -> jax.Array:
+    """The first position read from the ring (int32, elementwise; may be negative).
+
+    ``min(visible - recent_tokens, packed_end)`` with ``packed_end =
+    min(length // page_size, stored) * page_size``: positions ``sink_tokens
+    <= t < start`` are read from pages, later ones from the ring.
+
+    Args:
+      length: committed tokens (decides how many pages are packed).
+      visible: tokens attention sees (:func:`visible_tokens`).
+      stored: :func:`stored_pages` (default: every full page was stored).
+    """
+    pages = length // config.page_size
+    if stored is not None:
+        pages = jnp.minimum(pages, stored)
+    return jnp.minimum(visible - config.recent_tokens, pages * config.page_size)
+
+
 def window_mask(
-    config: CacheConfig, length: jax.Array, visible: jax.Array, positions: int
+    config: CacheConfig, length: jax.Array, visible: jax.Array, positions: int, *,
+    stored: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Where each position ``t < positions`` is read from, for one sequence.
 
     Args:
       length: committed tokens (decides how many pages are packed).
-      visible: tokens attention sees (``length`` or ``length + 1``).
+      visible: tokens attention sees (:func:`visible_tokens`).
       positions: static number of positions to describe.
+      stored: the sequence's :func:`stored_pages` (default: all of its full pages).
     Returns:
-      bool ``[positions]`` masks ``sink``, ``ring``, ``pages`` (disjoint,
-      their union is ``t < visible``).
+      bool ``[positions]`` masks ``sink``, ``ring``, ``pages``. They are
+      disjoint and their union is ``t < visible``, except after a lost page:
+      from the first page not stored on, only the positions still in the ring
+      (the latest ``window_tokens``) are read, the others are lost.
     """
     t = jnp.arange(positions)
     inside = t < visible
     sink = inside & (t < config.sink_tokens)
-    packed_end = (length // config.page_size) * config.page_size
-    window_start = jnp.minimum(visible - config.recent_tokens, packed_end)
-    ring = inside & ~sink & (t >= window_start)
-    pages = inside & ~sink & ~ring
+    start = window_start(config, length, visible, stored)
+    ring_start = jnp.maximum(start, visible - config.window_tokens)  # the ring holds no older position
+    ring = inside & ~sink & (t >= ring_start)
+    pages = inside & ~sink & (t < start)
     return {"sink": sink, "ring": ring, "pages": pages}
+
+
+def _sequence_view(cache: PagedKVCache, slot: jax.Array, include_pending: bool):
+    """``(index, visible, regions)`` of ``slot`` for :func:`reconstruct` and attention.
+
+    ``index`` is ``slot`` clipped into range; a ``slot`` outside ``[0,
+    max_sequences)`` (a tracer under ``jit``) sees nothing: ``visible`` 0 and
+    every region empty, so it never reads another slot.
+    """
+    c = cache.config
+    positions = c.max_tokens_per_sequence + int(include_pending)
+    index = jnp.clip(slot, 0, c.max_sequences - 1)
+    inside = (slot >= 0) & (slot < c.max_sequences)
+    visible = jnp.where(inside, visible_tokens(cache, include_pending=include_pending)[index], 0)
+    regions = window_mask(c, cache.lengths[index], visible, positions, stored=stored_pages(cache)[index])
+    return index, visible, regions
+
+
+def sequence_regions(
+    cache: PagedKVCache, slot: jax.Array | int, *, include_pending: bool = False
+) -> dict[str, jax.Array]:
+    """The :func:`window_mask` of sequence ``slot``, as :func:`reconstruct` reads it.
+
+    Returns:
+      bool ``[positions]`` masks ``sink``, ``ring`` and ``pages``, with
+      ``positions = max_tokens_per_sequence + include_pending``; attention
+      attends exactly to their union. All empty for an inactive slot and,
+      under ``jit``, for a slot outside ``[0, max_sequences)``.
+    """
+    check_index("slot", slot, cache.config.max_sequences)
+    return _sequence_view(cache, jnp.asarray(slot, jnp.int32), include_pending)[2]
 
 
 def reconstruct(
@@ -664,13 +762,19 @@ def reconstruct(
 
     Args:
       layer, loop: 0-based Python ints.
-      slot: the sequence slot.
+      slot: the sequence slot, in ``[0, max_sequences)`` (checked when
+        concrete; under ``jit`` a slot out of range reads as an empty slot:
+        ``visible`` 0 and zeros).
       include_pending: also show the token written by :func:`write_token` and
         not yet committed.
     Returns:
       ``(keys, values, visible)``: float32 ``[positions, kv_heads, head_dim]``
       with ``positions = max_tokens + include_pending`` (zero beyond
-      ``visible``) and the int32 number of visible tokens.
+      ``visible`` and at positions lost with a page, see
+      :func:`sequence_regions`) and the int32 number of visible tokens
+      (:func:`visible_tokens`: 0 for an inactive slot, at most
+      ``max_tokens_per_sequence``, so the last position is zero when
+      ``include_pending``).
     """
     c = cache.config
     check_static_index("layer", layer, c.num_layers)
@@ -684,19 +788,17 @@ def _reconstruct(cache: PagedKVCache, layer: int, loop: int, slot: jax.Array, in
     """:func:`reconstruct` after its argument checks, compiled (eager calls stay fast)."""
     c = cache.config
     pool = cache.layers[layer]
-    length = cache.lengths[slot]
-    visible = length + (1 if include_pending else 0)
-    pages = jnp.maximum(cache.block_tables[slot], 0)
+    slot, visible, masks = _sequence_view(cache, slot, include_pending)
+    pages = jnp.maximum(cache.block_tables[slot], 0)  # -1 (lost) entries are masked out below
     tiles = tuple(loop_tiles.take(pages) for loop_tiles in pool.loops)
     page_keys, page_values = unpack_pages(tiles, loop)
     positions = c.max_tokens_per_sequence + int(include_pending)
     shape = (c.max_tokens_per_sequence, c.num_kv_heads, c.head_dim)
     page_keys, page_values = page_keys.reshape(shape), page_values.reshape(shape)
-    if include_pending:  # room for a pending token of a full sequence
+    if include_pending:  # the shape callers rely on (a full sequence drops its pending token)
         page_keys = jnp.pad(page_keys, ((0, 1), (0, 0), (0, 0)))
         page_values = jnp.pad(page_values, ((0, 1), (0, 0), (0, 0)))
     shape = (positions, c.num_kv_heads, c.head_dim)
-    masks = window_mask(c, length, visible, positions)
     t = jnp.arange(positions)
     ring_k = pool.ring_keys[loop, slot][:, t % c.window_tokens].transpose(1, 0, 2).astype(jnp.float32)
     ring_v = pool.ring_values[loop, slot][:, t % c.window_tokens].transpose(1, 0, 2).astype(jnp.float32)

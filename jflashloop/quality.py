@@ -76,7 +76,15 @@ class Policy:
 
 
 DEFAULT_POLICY = Policy("INT4 G64, K per channel, V per token, windows 4/16")
-"""The recommended default (see bench/QUALITY.md)."""
+"""The library's default layout: :class:`CacheConfig`'s defaults (INT4 G64, K per
+channel, V per token, 4 sink and 16 recent tokens, 64-token pages), the
+"jflashloop default" of the demo and the first row of bench/QUALITY.md. The
+layout bench/QUALITY.md recommends is :data:`RECOMMENDED_POLICY`."""
+
+RECOMMENDED_POLICY = Policy("INT4 G64 K/ch V/tok, windows 4/64", INT4_KEYS, INT4_VALUES, 4, 64)
+"""The recommended layout (bench/QUALITY.md): :data:`DEFAULT_POLICY` with the 64
+most recent tokens unquantized (``recent_tokens=64``), which costs no memory
+with 64-token pages (the ring already holds the page being filled)."""
 
 
 def codec_family_policies(head_dim: int) -> list[Policy]:
@@ -100,7 +108,7 @@ def standard_policies() -> list[Policy]:
         Policy("NVFP4 K and V, 4/16", NVFP4, NVFP4),
         Policy("INT4 G64, K per token, V per token, 4/16", CodecSpec("int4", "token", 64), INT4_VALUES),
         Policy("INT4 G64 K/ch V/tok, windows 0/0", int4_k, INT4_VALUES, 0, 0),
-        Policy("INT4 G64 K/ch V/tok, windows 4/64", int4_k, INT4_VALUES, 4, 64),
+        RECOMMENDED_POLICY,
         Policy("INT4 G64 K/ch V/tok, windows 0/128", int4_k, INT4_VALUES, 0, 128),
         Policy("INT4 K (per channel) + NVFP4 V, 4/16", int4_k, NVFP4),
         Policy("NVFP4 K + INT4 V (per token), 4/16", NVFP4, INT4_VALUES),

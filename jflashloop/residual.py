@@ -71,6 +71,8 @@ def _check_positions(positions, tokens: int) -> None:
     dtype = positions.dtype if hasattr(positions, "dtype") else np.asarray(positions).dtype
     if not np.issubdtype(np.dtype(dtype), np.integer):
         raise TypeError(f"positions must be integers, got {np.dtype(dtype)}")
+    if np.shape(positions)[0] == 0:
+        raise ValueError("positions must hold at least one position (a loop without updates needs no residual)")
     if np.shape(positions)[0] > tokens:
         raise ValueError(
             f"positions has {np.shape(positions)[0]} entries; at most tokens={tokens} unique positions exist"
@@ -84,20 +86,46 @@ def _check_positions(positions, tokens: int) -> None:
         raise ValueError("positions must be sorted and unique (strictly increasing)")
 
 
+def applied_rows(positions: jax.Array, tokens: int) -> jax.Array:
+    """bool ``[rows]``: the rows of a sparse residual that update their position.
+
+    A row applies when its position lies in ``[0, tokens)`` and no earlier row
+    holds the same position. For checked (sorted, unique, in range) positions
+    every row applies; traced positions are not checked, and this is the rule
+    for them: an out-of-range position is ignored (never wrapped or
+    clipped), a repeated one is applied once, by its first row, and the order
+    does not matter (each row updates its own position).
+
+    Args:
+      positions: int ``[rows]``.
+      tokens: static number of tokens.
+    """
+    rows = positions.shape[0]
+    inside = (positions >= 0) & (positions < tokens)
+    target = jnp.where(inside, positions, tokens)
+    order = jnp.arange(rows, dtype=jnp.int32)
+    first = jnp.full((tokens + 1,), rows, jnp.int32).at[target].min(order)
+    return inside & (first[target] == order)
+
+
 def residual_rows(
     target: jax.Array, predecessor: jax.Array, positions: jax.Array | None
 ) -> tuple[jax.Array, jax.Array | None]:
     """The float32 rows :func:`encode_residual` encodes, and int32 positions (or None).
 
     ``target - predecessor`` (in the promoted compute dtype, at least float32),
-    all rows when ``positions`` is None, else the rows at ``positions``.
+    all rows when ``positions`` is None, else the rows at ``positions``; a row
+    that does not apply (:func:`applied_rows`) is 0, so it cannot change how
+    the others are encoded.
     """
     compute_dtype = jnp.promote_types(jnp.promote_types(target.dtype, predecessor.dtype), jnp.float32)
     difference = target.astype(compute_dtype) - predecessor.astype(compute_dtype)
     if positions is None:
         return difference, None
     positions = jnp.asarray(positions, jnp.int32)
-    return difference[positions], positions
+    applies = applied_rows(positions, difference.shape[0])
+    rows = difference[jnp.clip(positions, 0, difference.shape[0] - 1)]
+    return jnp.where(applies[:, None, None], rows, jnp.zeros((), rows.dtype)), positions
 
 
 def encode_residual(
@@ -116,7 +144,9 @@ def encode_residual(
       predecessor: same shape: the *reconstructed* previous loop (closed loop).
       spec: the residual's codec (any :class:`CodecSpec`; e.g. NVFP4 residuals
         on an INT4 base).
-      positions: None (dense) or sorted unique int32 ``[rows]`` token positions.
+      positions: None (dense) or sorted unique int32 ``[rows]`` token
+        positions, at least one (checked when concrete; traced positions
+        follow the rule of :func:`applied_rows`).
       implementation: as for :func:`jflashloop.encode`.
     Returns:
       :class:`Residual`. The difference is formed in float32 (the promoted
@@ -150,7 +180,8 @@ def decode_residual(residual: Residual, predecessor: jax.Array) -> jax.Array:
       predecessor: ``[tokens, kv_heads, channels]``, the reconstructed previous loop.
     Returns:
       float32 ``[tokens, kv_heads, channels]``; positions absent from a sparse
-      residual equal ``predecessor`` unchanged.
+      residual equal ``predecessor`` unchanged. Only the rows of
+      :func:`applied_rows` are added (all of them for checked positions).
     """
     if not isinstance(residual, Residual):
         raise TypeError(f"residual must be a Residual, got {type(residual).__name__}")
@@ -173,7 +204,8 @@ def decode_residual(residual: Residual, predecessor: jax.Array) -> jax.Array:
     delta = decode(residual.packed, jnp.float32)
     if residual.positions is None:
         return base + delta
-    return base.at[residual.positions].add(delta)
+    applies = applied_rows(residual.positions, residual.tokens)
+    return base.at[jnp.where(applies, residual.positions, residual.tokens)].add(delta, mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,19 +102,43 @@ def reconstruct_pages(history, page_size, sink_tokens, loops, row_positions, loo
     return out
 
 
+def readable_positions(*, length, visible, page_size, sink_tokens, recent_tokens, stored_pages=None):
+    """bool ``[visible]``: the positions whose K/V a sequence still holds.
+
+    A position is read from the sink window (``t < sink_tokens``), from a
+    packed page, or from the ring, which holds the latest ``max(recent_tokens,
+    page_size)`` positions. Pages are read up to the first one that was not
+    stored (``stored_pages`` leading pages; default all ``length //
+    page_size``); a position after it that has left the ring is lost.
+    """
+    pages = length // page_size if stored_pages is None else min(length // page_size, stored_pages)
+    window_start = min(visible - recent_tokens, pages * page_size)
+    ring_start = max(window_start, visible - max(recent_tokens, page_size))
+    return np.array([t < sink_tokens or t < window_start or t >= ring_start for t in range(visible)], bool)
+
+
 def reconstruct_sequence(
-    history, *, length, visible, page_size, sink_tokens, recent_tokens, loops, row_positions, loop
+    history, *, length, visible, page_size, sink_tokens, recent_tokens, loops, row_positions, loop,
+    stored_pages=None,
 ):
     """float32 ``[visible, H, D]``: what attention must see for loop ``loop``.
 
     ``length`` is the committed token count (it decides the packed pages);
-    ``visible`` is ``length`` or ``length + 1`` with a pending token.
+    ``visible`` is ``length`` or ``length + 1`` with a pending token;
+    ``stored_pages`` is as for :func:`readable_positions`, whose lost
+    positions are zero here.
     """
-    pages = length // page_size
+    pages = length // page_size if stored_pages is None else min(length // page_size, stored_pages)
     out = np.array(history[loop, :visible], np.float32)
     packed = reconstruct_pages(history, page_size, sink_tokens, loops, row_positions, loop, pages)
     window_start = min(visible - recent_tokens, pages * page_size)
+    readable = readable_positions(
+        length=length, visible=visible, page_size=page_size, sink_tokens=sink_tokens,
+        recent_tokens=recent_tokens, stored_pages=stored_pages,
+    )
     for t in range(visible):
         if t >= sink_tokens and t < window_start:
             out[t] = packed[t]
+        elif not readable[t]:
+            out[t] = 0.0
     return out

@@ -25,9 +25,13 @@ from tests.cases import CASES
 from tests.test_paged_cache import (
     HEAD_DIM,
     build,
+    hole_cache,
+    lost_page_cache,
+    lost_page_config,
     nvfp4_residual_config,
     oracle_sequence,
     small_config,
+    tiny_config,
 )
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -190,6 +194,32 @@ def test_kernel_empty_sequences_give_zeros(rng):
     out = np.asarray(run_kernel(queries, cache, 0, 1))
     assert np.isfinite(out).all()
     assert not out[1:].any()
+
+
+def test_kernel_freed_slot_attends_to_nothing_even_with_a_pending_token(rng):
+    config = tiny_config()
+    cache, _ = build(rng, config, prompt_lengths=[20, 33], steps=0)
+    cache = jflashloop.paged_cache.free(cache, 0)
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    out = np.asarray(run_kernel(queries, cache, 0, 1, include_pending=True))
+    assert not out[0].any()
+    expected = jflashloop.decode_attention_reference(queries, cache, 0, 1, include_pending=True)
+    assert (relative_errors(out[1:], expected[1:]) < KERNEL_TOLERANCE).all()
+
+
+def test_kernel_never_reads_lost_pages(rng):
+    config = lost_page_config()
+    seed = int(rng.integers(2**31))
+    (cache, _), (other, _) = (lost_page_cache(np.random.default_rng(seed), config, s) for s in (1, 2))
+    hole, _ = hole_cache(rng, config)
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    for loop in (0, 2):
+        mine = np.asarray(run_kernel(queries, cache, 0, loop))
+        assert_bits_equal(mine[1], np.asarray(run_kernel(queries, other, 0, loop))[1], "slot 1 attention")
+        for state, out in ((cache, mine), (hole, np.asarray(run_kernel(queries, hole, 0, loop)))):
+            expected = jflashloop.decode_attention_reference(queries, state, 0, loop, include_pending=False)
+            errors = relative_errors(out[1:], expected[1:])  # slot 1 (the hole cache's slot 0 is free)
+            assert (errors < KERNEL_TOLERANCE).all(), (loop, errors)
 
 
 def test_public_dispatch_picks_the_backend(rng):

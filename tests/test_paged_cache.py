@@ -61,12 +61,21 @@ def _codec(spec):
     return (spec.format, spec.axis, spec.group_size, spec.rotation_seed)
 
 
-def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_pending=False):
-    """The oracle's float32 K and V ``[visible, H, D]`` for one sequence."""
+def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_pending=False, stored_pages=None):
+    """The oracle's float32 K and V ``[visible, H, D]`` for one sequence.
+
+    ``visible`` is 0 for an inactive slot and at most the sequence capacity
+    (a full sequence's pending token is dropped); ``stored_pages`` (default:
+    the leading pages of the slot's block-table row) as in
+    ``reference.paged_cache.readable_positions``.
+    """
     config = cache.config
     length = int(cache.lengths[slot])
-    visible = length + int(include_pending)
+    visible = min(length + int(include_pending), config.max_tokens_per_sequence)
+    visible = visible if bool(cache.active[slot]) else 0
     pages = np.asarray(cache.block_tables[slot])
+    if stored_pages is None:
+        stored_pages = int(np.cumprod(pages >= 0).sum())
     row_positions = []
     for loop_tiles in cache.layers[layer].loops:
         if loop_tiles.row_positions is None:
@@ -75,7 +84,7 @@ def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_p
             row_positions.append(np.asarray(loop_tiles.row_positions)[:, np.maximum(pages, 0)])
     common = dict(
         length=length, visible=visible, page_size=config.page_size, sink_tokens=config.sink_tokens,
-        recent_tokens=config.recent_tokens, row_positions=row_positions, loop=loop,
+        recent_tokens=config.recent_tokens, row_positions=row_positions, loop=loop, stored_pages=stored_pages,
     )
     keys = reference.paged_cache.reconstruct_sequence(
         history_k[layer, :, slot],
@@ -430,3 +439,189 @@ def test_saturation_is_counted_per_sequence(rng):
 def test_create_rejects_a_config_of_another_type():
     with pytest.raises(TypeError, match="config must be a CacheConfig"):
         paged_cache.create({"num_layers": 1})
+
+
+# --------------------------------------------------------------------------- isolation between sequences
+
+
+def assert_same_cache(actual, expected, *, except_fields=()):
+    """Every array of the two caches is bit-identical, apart from ``except_fields``."""
+    actual = dataclasses.replace(actual, **{name: getattr(expected, name) for name in except_fields})
+    leaves = jax.tree_util.tree_flatten_with_path(expected)[0]
+    for (path, leaf), other in zip(leaves, jax.tree.leaves(actual), strict=True):
+        assert_bits_equal(other, leaf, jax.tree_util.keystr(path))
+
+
+def oracle_attention(cache, history, queries, layer, loop, *, include_pending=False):
+    """float64 ``[max_sequences, q_heads, D]``: each slot's attention over its readable positions."""
+    config = cache.config
+    out = np.zeros(queries.shape)
+    for slot in range(config.max_sequences):
+        keys, values = oracle_sequence(cache, history.keys, history.values, layer, loop, slot,
+                                       include_pending=include_pending)
+        readable = reference.paged_cache.readable_positions(
+            length=int(cache.lengths[slot]), visible=keys.shape[0], page_size=config.page_size,
+            sink_tokens=config.sink_tokens, recent_tokens=config.recent_tokens,
+            stored_pages=int(np.cumprod(np.asarray(cache.block_tables[slot]) >= 0).sum()),
+        )
+        out[slot] = reference.attention.decode_attention(
+            np.asarray(queries[slot]), keys[readable], values[readable], int(readable.sum()))
+    return out
+
+
+def assert_attention_matches_oracle(cache, history, queries, *, include_pending=False):
+    """Loops 1 and the last (regions do not depend on the loop; the last reads every stream)."""
+    for loop in (0, cache.config.num_loops - 1):
+        actual = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=include_pending)
+        expected = oracle_attention(cache, history, queries, 0, loop, include_pending=include_pending)
+        np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=1e-6, err_msg=f"loop {loop + 1}")
+
+
+# Windows 4/16 at page 16 and 4/64 at page 64: the ring is exactly the recent window.
+FULL_WINDOWS = {"16/16": {}, "4/64": dict(page_size=64, recent_tokens=64, max_pages_per_sequence=2, num_pages=4)}
+_append_kept = jax.jit(paged_cache.append)  # no donation: the input cache is compared afterwards
+
+
+@pytest.mark.parametrize("windows", list(FULL_WINDOWS))
+def test_a_token_dropped_at_capacity_changes_nothing(rng, windows):
+    config = tiny_config(**FULL_WINDOWS[windows])
+    capacity = config.max_tokens_per_sequence
+    keys, values = looped_tokens(rng, config, capacity)
+    full = _prefill(paged_cache.create(config), 0, keys, values, capacity)  # slot 1 stays free
+    step_k, step_v = looped_tokens(rng, config, 1, batch=config.max_sequences)
+    step_k, step_v = step_k[:, :, :, 0], step_v[:, :, :, 0]
+    step_k[:, :, :, 0, 0] = np.nan  # a dropped token is not counted either
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    expected = jflashloop.decode_attention_reference(queries, full, 0, 1, include_pending=False)
+    written = full
+    for loop in range(config.num_loops):
+        written = paged_cache.write_token(written, 0, loop, step_k[0, loop], step_v[0, loop])
+    assert_same_cache(written, full)  # nothing stored: the pending token is not visible
+    _, _, visible = paged_cache.reconstruct(written, 0, 1, 0, include_pending=True)
+    assert int(visible) == capacity
+    pending = jflashloop.decode_attention_reference(queries, written, 0, 1, include_pending=True)
+    np.testing.assert_allclose(np.asarray(pending), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    appended = _append_kept(full, step_k, step_v)
+    assert appended.error_flags.tolist() == [paged_cache.ERROR_SEQUENCE_FULL, 0]
+    assert_same_cache(appended, full, except_fields=("error_flags",))
+
+
+@pytest.mark.parametrize("windows", list(FULL_WINDOWS))
+def test_prefill_beyond_capacity_equals_prefill_of_the_kept_tokens(rng, windows):
+    config = tiny_config(**FULL_WINDOWS[windows])
+    capacity = config.max_tokens_per_sequence
+    keys, values = looped_tokens(rng, config, capacity + 5)
+    longer = _prefill(paged_cache.create(config), 0, keys, values, capacity + 5)
+    kept = _prefill(paged_cache.create(config), 0, keys[:, :, :capacity], values[:, :, :capacity], capacity)
+    assert longer.error_flags.tolist() == [paged_cache.ERROR_SEQUENCE_FULL, 0]
+    assert_same_cache(longer, kept, except_fields=("error_flags",))
+
+
+def lost_page_cache(rng, config, neighbour_seed):
+    """Slot 0 (the neighbour) takes 2 of 3 pages; slot 1's jitted 40-token prefill gets one, its second is lost.
+
+    Slot 1's tokens are the same for every ``neighbour_seed``; returns ``(cache, history)``.
+    """
+    history = History(config, 41)
+    keys, values = looped_tokens(np.random.default_rng(neighbour_seed), config, 40)
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 40)
+    history.prefill(0, keys, values, 40)
+    keys, values = looped_tokens(rng, config, 40)
+    cache = _prefill(cache, 1, keys, values, 40)
+    history.prefill(1, keys, values, 40)
+    return cache, history
+
+
+def hole_cache(rng, config):
+    """Slot 1's page 0 is lost (slot 0 held the pool), its page 1 stored after slot 0 was freed.
+
+    Returns ``(cache, history)``; slot 1's block-table row is ``[-1, page, -1]``.
+    """
+    keys, values = looped_tokens(rng, config, 48)
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 48)
+    history = History(config, 33)
+    keys, values = looped_tokens(rng, config, 20)
+    cache = _prefill(cache, 1, keys, values, 20)
+    history.prefill(1, keys, values, 20)
+    cache = jax.jit(paged_cache.free)(cache, 0)
+    for _ in range(12):
+        keys, values = looped_tokens(rng, config, 1, batch=config.max_sequences)
+        cache = _append_kept(cache, keys[:, :, :, 0], values[:, :, :, 0])
+        history.append(keys[:, :, :, 0], values[:, :, :, 0], np.array([False, True]))
+    return cache, history
+
+
+def lost_page_config():
+    return tiny_config(num_pages=3, max_pages_per_sequence=3, num_loops=3)  # loop 3 sparse
+
+
+def test_lost_pages_are_never_read(rng):
+    config = lost_page_config()
+    seed = int(rng.integers(2**31))
+    (cache, history), (other, _) = (lost_page_cache(np.random.default_rng(seed), config, s) for s in (1, 2))
+    assert np.asarray(cache.block_tables[1]).tolist() == [2, -1, -1]
+    assert cache.error_flags.tolist() == [0, paged_cache.ERROR_OUT_OF_PAGES]
+    assert_matches_oracle(cache, history.keys, history.values)
+    keys, _, visible = paged_cache.reconstruct(cache, 0, 2, 1)
+    assert int(visible) == 40 and not np.asarray(keys)[16:24].any()  # page 1's tokens that left the ring
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    assert_attention_matches_oracle(cache, history, queries)
+    # Slot 1 reads nothing of its neighbour: another neighbour gives the same bits.
+    for loop in range(config.num_loops):
+        for a, b in zip(paged_cache.reconstruct(cache, 0, loop, 1), paged_cache.reconstruct(other, 0, loop, 1),
+                        strict=True):
+            assert_bits_equal(a, b, f"slot 1 loop {loop + 1}")
+    for loop in (0, config.num_loops - 1):
+        mine = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=False)[1]
+        theirs = jflashloop.decode_attention_reference(queries, other, 0, loop, include_pending=False)[1]
+        assert_bits_equal(mine, theirs, f"attention of slot 1 loop {loop + 1}")
+
+
+def test_pages_after_a_lost_page_are_not_read(rng):
+    config = lost_page_config()
+    cache, history = hole_cache(rng, config)
+    row = np.asarray(cache.block_tables[1])
+    assert row[0] == -1 and row[1] >= 0 and int(cache.lengths[1]) == 32
+    assert cache.error_flags[1] & paged_cache.ERROR_OUT_OF_PAGES
+    assert_matches_oracle(cache, history.keys, history.values)
+    keys, _, _ = paged_cache.reconstruct(cache, 0, 0, 1)
+    assert not np.asarray(keys)[4:16].any()  # only the sink and the ring (tokens 16..31) are read
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    assert_attention_matches_oracle(cache, history, queries)
+
+
+def test_a_freed_slot_attends_to_nothing(rng):
+    config = tiny_config()
+    cache, _ = build(rng, config, prompt_lengths=[20, 33], steps=0)
+    freed = jax.jit(paged_cache.free)(cache, 0)
+    queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    step_k, step_v = looped_tokens(rng, config, 1, batch=config.max_sequences)
+    written = freed
+    for loop in range(config.num_loops):
+        written = paged_cache.write_token(written, 0, loop, step_k[0, loop, :, 0], step_v[0, loop, :, 0])
+    for state in (freed, written):
+        for include_pending in (False, True):
+            out = jflashloop.decode_attention_reference(queries, state, 0, 1, include_pending=include_pending)
+            assert not np.asarray(out[0]).any()
+            keys, values, visible = paged_cache.reconstruct(state, 0, 1, 0, include_pending=include_pending)
+            assert int(visible) == 0 and not np.asarray(keys).any() and not np.asarray(values).any()
+    for name in ("sink_keys", "ring_keys", "ring_values"):  # the inactive slot's windows were not written
+        assert_bits_equal(getattr(written.layers[0], name)[:, 0], getattr(freed.layers[0], name)[:, 0], name)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_prefill_shorter_than_the_sink_window(rng, tokens):
+    config = tiny_config()  # sink_tokens=4
+    cache, history = paged_cache.create(config), History(config, max(tokens, 2) + 18)
+    for slot, length in enumerate([tokens, 2]):
+        keys, values = looped_tokens(rng, config, length)
+        cache = _prefill(cache, slot, keys, values, length)
+        history.prefill(slot, keys, values, length)
+    assert_matches_oracle(cache, history.keys, history.values, include_pending=False)
+    eager = paged_cache.prefill(paged_cache.create(config), 0, *looped_tokens(rng, config, tokens))
+    assert int(eager.lengths[0]) == tokens
+    for _ in range(18):  # across the sink window and the first page boundary
+        keys, values = looped_tokens(rng, config, 1, batch=config.max_sequences)
+        cache = _append(cache, keys[:, :, :, 0], values[:, :, :, 0])
+        history.append(keys[:, :, :, 0], values[:, :, :, 0], np.ones(2, bool))
+    assert_matches_oracle(cache, history.keys, history.values)

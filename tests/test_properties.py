@@ -149,11 +149,17 @@ def test_int4_error_is_bounded_for_finite_unsaturated_input(x, spec):
 
 
 def machine_config() -> CacheConfig:
-    """One layer, three loops (INT4 base, dense NVFP4 residual, sparse INT4 residual)."""
+    """One layer, three loops (INT4 base, dense NVFP4 residual, sparse INT4 residual).
+
+    The pool (6 pages) holds fewer than two full sequences (4 pages each), so
+    it runs out; the recent window (24 tokens) is wider than a page, so the
+    ring is not a whole number of pages and a token dropped at capacity would
+    land on a kept one.
+    """
     key_spec = jflashloop.CodecSpec("int4", "channel", 16)
     return CacheConfig(
-        num_layers=1, num_kv_heads=1, head_dim=16, num_pages=12, max_sequences=3,
-        max_pages_per_sequence=4, page_size=16, sink_tokens=4, recent_tokens=8,
+        num_layers=1, num_kv_heads=1, head_dim=16, num_pages=6, max_sequences=3,
+        max_pages_per_sequence=4, page_size=16, sink_tokens=4, recent_tokens=24,
         loops=(
             LoopStorage(key_spec, jflashloop.INT4_VALUES),
             LoopStorage(jflashloop.NVFP4, jflashloop.NVFP4),
@@ -165,14 +171,32 @@ def machine_config() -> CacheConfig:
 CONFIG = machine_config()
 CAPACITY = CONFIG.max_tokens_per_sequence
 PADDED = CAPACITY  # every prefill has this many (padded) tokens: one compiled shape
+PAGE = CONFIG.page_size
+Q_HEADS = 2  # GQA: two query heads per KV head
 _prefill = jax.jit(paged_cache.prefill)
 _append = jax.jit(paged_cache.append)
 _free = jax.jit(paged_cache.free)
+_commit = jax.jit(paged_cache.commit)
 
 
-@functools.partial(jax.jit, static_argnames=("loop",))
-def _reconstruct(cache, loop, slot):
-    return paged_cache.reconstruct(cache, 0, loop, slot)
+@jax.jit
+def _write_tokens(cache, keys, values):
+    """``write_token`` of every loop (``keys``, ``values``: ``[1, loops, sequences, H, D]``)."""
+    for loop in range(CONFIG.num_loops):
+        cache = paged_cache.write_token(cache, 0, loop, keys[0, loop], values[0, loop])
+    return cache
+
+
+@functools.partial(jax.jit, static_argnames=("loop", "include_pending"))
+def _reconstruct(cache, loop, slot, include_pending=False):
+    return paged_cache.reconstruct(cache, 0, loop, slot, include_pending=include_pending)
+
+
+@functools.partial(jax.jit, static_argnames=("include_pending",))
+def _attention(queries, cache, include_pending):
+    """Attention over the last loop (which reads every loop's stream; regions do not depend on the loop)."""
+    return jflashloop.decode_attention_reference(
+        queries, cache, 0, CONFIG.num_loops - 1, include_pending=include_pending)
 
 
 def _tokens(seed: int, tokens: int, batch: int | None = None, nonfinite: int = 0):
@@ -200,25 +224,63 @@ def _stored(x: np.ndarray) -> np.ndarray:
     return np.where(np.abs(x) < 2.0**-126, np.copysign(np.float32(0), x), x).astype(np.float32)
 
 
-class CacheMachine(RuleBasedStateMachine):
-    """Random prefill / append / free / transfer / save-load against the exact history."""
+# Prompt lengths; the edges come often: empty, inside the sink window, page boundaries, full.
+LENGTHS = st.one_of(st.sampled_from([0, 2, PAGE - 1, PAGE, CAPACITY - 1, CAPACITY]), st.integers(0, CAPACITY))
 
-    @initialize()
-    def start(self):
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random prefill / append / decode step / free / transfer / save-load against the exact history.
+
+    The model also tracks the pool: which full pages of each sequence were
+    stored (``pages``: per slot, one bool per full page, False where the pool
+    had run out) and how many pages are free.
+    """
+
+    @initialize(lengths=st.lists(LENGTHS, min_size=CONFIG.max_sequences, max_size=CONFIG.max_sequences),
+                seed=st.integers(0, 2**32 - 1))
+    def start(self, lengths, seed):
+        """Every run starts with all slots in use, often with more pages than the pool holds."""
         self.cache = paged_cache.create(CONFIG)
         self.history = History(CONFIG, CAPACITY + 1)
         self.active = np.zeros(CONFIG.max_sequences, bool)
         self.flags = np.zeros(CONFIG.max_sequences, np.int64)
         self.nonfinite = np.zeros(CONFIG.max_sequences, np.int64)
+        self.pages = [[] for _ in range(CONFIG.max_sequences)]
+        self.free_pages = CONFIG.num_pages
+        for slot, length in enumerate(lengths):
+            self._prefill(slot, length, seed + slot, 0)
 
     def _free_slots(self):
         return [int(s) for s in np.flatnonzero(~self.active)]
+
+    def _take_page(self, slot):
+        """A page filled for ``slot``: stored if the pool has one, else lost and flagged."""
+        stored = self.free_pages > 0
+        self.free_pages -= int(stored)
+        self.pages[slot].append(stored)
+        if not stored:
+            self.flags[slot] |= paged_cache.ERROR_OUT_OF_PAGES
+
+    def _stored_pages(self, slot):
+        """Leading stored pages of ``slot`` (reading stops at the first lost one)."""
+        return int(np.cumprod(np.asarray(self.pages[slot], bool)).sum())
+
+    def _commit(self, keys, values):
+        """The model of one committed decode token of every active slot."""
+        room = self.active & (self.history.lengths < CAPACITY)
+        self.flags[self.active & ~room] |= paged_cache.ERROR_SEQUENCE_FULL
+        self.history.append(_stored(keys), _stored(values), room)
+        for slot in np.flatnonzero(room):  # pages are granted in slot order
+            if self.history.lengths[slot] % PAGE == 0:
+                self._take_page(slot)
 
     @precondition(lambda self: not self.active.all())
     @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), nonfinite=st.sampled_from([0, 0, 0, 2]))
     def prefill(self, data, seed, nonfinite):
         slot = data.draw(st.sampled_from(self._free_slots()), label="slot")
-        length = data.draw(st.integers(0, CAPACITY), label="length")
+        self._prefill(slot, data.draw(LENGTHS, label="length"), seed, nonfinite)
+
+    def _prefill(self, slot, length, seed, nonfinite):
         keys, values = _tokens(seed, PADDED, nonfinite=nonfinite)
         self.cache = _prefill(self.cache, slot, keys, values, length)
         self.history.prefill(slot, _stored(keys), _stored(values), length)
@@ -226,6 +288,8 @@ class CacheMachine(RuleBasedStateMachine):
         counted = int((~np.isfinite(keys[:, :, :length])).sum() + (~np.isfinite(values[:, :, :length])).sum())
         self.nonfinite[slot] = counted
         self.flags[slot] = paged_cache.ERROR_NONFINITE_INPUT if counted else 0
+        for _ in range(length // PAGE):
+            self._take_page(slot)
 
     @rule(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 20))
     def append(self, seed, steps):
@@ -233,10 +297,30 @@ class CacheMachine(RuleBasedStateMachine):
             keys, values = _tokens(seed + step, 1, batch=CONFIG.max_sequences)
             keys, values = keys[:, :, :, 0], values[:, :, :, 0]
             self.cache = _append(self.cache, keys, values)
-            room = self.active & (self.history.lengths < CAPACITY)
-            full = self.active & ~room
-            self.history.append(_stored(keys), _stored(values), room)
-            self.flags[full] |= paged_cache.ERROR_SEQUENCE_FULL
+            self._commit(keys, values)
+
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def decode_step(self, seed):
+        """Write a token, check what attention sees before the commit (every slot), commit."""
+        keys, values = _tokens(seed, 1, batch=CONFIG.max_sequences)
+        keys, values = keys[:, :, :, 0], values[:, :, :, 0]
+        self.cache = _write_tokens(self.cache, keys, values)
+        room = self.active & (self.history.lengths < CAPACITY)
+        self.history.append(_stored(keys), _stored(values), room)
+        self.history.lengths[room] -= 1  # pending, not committed
+        self._compare_with_oracle(include_pending=True)
+        self._compare_attention(include_pending=True, seed=seed)
+        self.cache = _commit(self.cache)
+        self._commit(keys, values)
+
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def attention_matches_oracle(self, seed):
+        self._compare_attention(include_pending=False, seed=seed)
+        # No token was written: the pending position of an active slot holds an old
+        # token, but an inactive slot must still see nothing.
+        queries = np.random.default_rng(seed).standard_normal((CONFIG.max_sequences, Q_HEADS, 16)).astype(F32)
+        out = np.asarray(_attention(jnp.asarray(queries), self.cache, True))
+        assert not out[~self.active].any(), "an inactive slot attended to something"
 
     @precondition(lambda self: self.active.any())
     @rule(data=st.data())
@@ -246,6 +330,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.active[slot] = False
         self.history.lengths[slot] = 0
         self.flags[slot] = self.nonfinite[slot] = 0
+        self.free_pages += sum(self.pages[slot])
+        self.pages[slot] = []
 
     @precondition(lambda self: self.active.any() and not self.active.all())
     @rule(data=st.data(), through_bytes=st.booleans())
@@ -262,6 +348,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.history.lengths[source] = 0
         for array in (self.active, self.flags, self.nonfinite):
             array[target], array[source] = array[source], 0
+        self.pages[target], self.pages[source] = self.pages[source], []
 
     @rule()
     def save_and_load(self):
@@ -274,17 +361,45 @@ class CacheMachine(RuleBasedStateMachine):
     def reconstruct_matches_oracle(self):
         self._compare_with_oracle()
 
-    def _compare_with_oracle(self):
-        for slot in np.flatnonzero(self.active):
+    def _oracle(self, slot, loop, include_pending):
+        """The model's K, V ``[visible, H, D]`` and readable mask ``[visible]`` of ``slot``."""
+        keys, values = oracle_sequence(
+            self.cache, self.history.keys, self.history.values, 0, loop, slot,
+            include_pending=include_pending, stored_pages=self._stored_pages(slot),
+        )
+        readable = reference.paged_cache.readable_positions(
+            length=int(self.history.lengths[slot]), visible=keys.shape[0], page_size=PAGE,
+            sink_tokens=CONFIG.sink_tokens, recent_tokens=CONFIG.recent_tokens,
+            stored_pages=self._stored_pages(slot),
+        )
+        return keys, values, readable
+
+    def _compare_with_oracle(self, include_pending=False):
+        """``reconstruct`` of every slot and loop: the oracle's bits; an inactive slot sees nothing."""
+        for slot in range(CONFIG.max_sequences):
             for loop in range(CONFIG.num_loops):
-                keys, values, visible = _reconstruct(self.cache, loop, slot)
-                expected_k, expected_v = oracle_sequence(
-                    self.cache, self.history.keys, self.history.values, 0, loop, slot
-                )
+                keys, values, visible = _reconstruct(self.cache, loop, slot, include_pending=include_pending)
+                expected_k, expected_v, _ = self._oracle(slot, loop, include_pending)
                 assert int(visible) == expected_k.shape[0]
                 where = f"slot {slot} loop {loop + 1}"
                 assert_bits_equal(np.asarray(keys)[: int(visible)], expected_k, f"keys {where}")
                 assert_bits_equal(np.asarray(values)[: int(visible)], expected_v, f"values {where}")
+                assert not np.asarray(keys)[int(visible):].any(), f"keys beyond visible, {where}"
+
+    def _compare_attention(self, *, include_pending, seed):
+        """Reference attention of every slot against float64 attention over the oracle's readable positions."""
+        queries = np.random.default_rng(seed).standard_normal((CONFIG.max_sequences, Q_HEADS, 16)).astype(F32)
+        out = np.asarray(_attention(jnp.asarray(queries), self.cache, include_pending))
+        loop = CONFIG.num_loops - 1
+        for slot in range(CONFIG.max_sequences):
+            keys, values, readable = self._oracle(slot, loop, include_pending)
+            expected = reference.attention.decode_attention(
+                queries[slot], keys[readable], values[readable], int(readable.sum()))
+            if not readable.any():
+                assert not out[slot].any(), f"slot {slot} attended with nothing visible"
+                continue
+            error = np.linalg.norm(out[slot] - expected) / np.linalg.norm(expected)
+            assert error < 1e-5, (slot, loop, error)
 
     @invariant()
     def bookkeeping_is_consistent(self):
@@ -296,10 +411,16 @@ class CacheMachine(RuleBasedStateMachine):
         np.testing.assert_array_equal(np.asarray(self.cache.error_flags), self.flags)
         np.testing.assert_array_equal(np.asarray(self.cache.nonfinite_counts), self.nonfinite)
         assert not np.asarray(self.cache.saturation_counts).any()
+        assert int(self.cache.page_free.sum()) == self.free_pages
+        for slot in range(CONFIG.max_sequences):
+            stored = np.asarray(self.cache.block_tables[slot]) >= 0
+            expected = np.zeros(CONFIG.max_pages_per_sequence, bool)
+            expected[: len(self.pages[slot])] = self.pages[slot]
+            np.testing.assert_array_equal(stored, expected, err_msg=f"stored pages of slot {slot}")
 
     def teardown(self):
         if hasattr(self, "cache"):
-            note(f"lengths {self.history.lengths.tolist()}, active {self.active.tolist()}")
+            note(f"lengths {self.history.lengths.tolist()}, active {self.active.tolist()}, pages {self.pages}")
             self._compare_with_oracle()
 
 

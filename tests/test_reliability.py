@@ -75,6 +75,10 @@ def _with_inf(x):
     return x
 
 
+def _queries(dtype):
+    return jnp.ones((2, 2, 16), dtype)
+
+
 def _corrupt(**changes):
     return dataclasses.replace(one_active_cache(), **changes)
 
@@ -165,6 +169,9 @@ BAD_INPUTS = [
     ("encode_residual: position out of range",
      lambda: jflashloop.encode_residual(x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES, np.array([0, 10])),
      ValueError, "positions must lie in \\[0, 10\\)"),
+    ("encode_residual: empty positions",
+     lambda: jflashloop.encode_residual(x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES, np.array([], np.int32)),
+     ValueError, "positions must hold at least one position"),
     ("encode_residual: float positions",
      lambda: jflashloop.encode_residual(x3((10, 1, 8)), x3((10, 1, 8)), jflashloop.INT4_VALUES, np.array([0.5])),
      TypeError, "positions must be integers"),
@@ -204,6 +211,16 @@ BAD_INPUTS = [
      IndexError, "loop must be in \\[0, 2\\), got 2"),
     ("reconstruct: slot out of range", lambda: paged_cache.reconstruct(one_active_cache(), 0, 0, 5),
      IndexError, "slot must be in \\[0, 2\\), got 5"),
+    ("decode_attention: int queries", lambda: jflashloop.decode_attention(_queries(jnp.int32), one_active_cache(), 0, 0),
+     TypeError, "queries must have a floating dtype \\(float32, bfloat16, float16\\), got int32"),
+    ("decode_attention: bool queries", lambda: jflashloop.decode_attention(_queries(bool), one_active_cache(), 0, 0),
+     TypeError, "queries must have a floating dtype .*got bool"),
+    ("decode_attention: complex queries",
+     lambda: jflashloop.decode_attention(_queries(jnp.complex64), one_active_cache(), 0, 0),
+     TypeError, "queries must have a floating dtype .*got complex64"),
+    ("decode_attention (fused): int queries",
+     lambda: jflashloop.decode_attention(_queries(jnp.int32), one_active_cache(), 0, 0, implementation="pallas"),
+     TypeError, "queries must have a floating dtype .*got int32"),
     ("free: slot out of range", lambda: paged_cache.free(one_active_cache(), 2), IndexError, "slot must be in"),
     ("validate: page owned twice",
      lambda: paged_cache.validate(_corrupt(
@@ -343,6 +360,37 @@ def test_prefill_beyond_capacity_keeps_the_windows_of_the_kept_tokens():
     # The most recent (unquantized) tokens are tokens 24..31, not the dropped 40..47.
     np.testing.assert_array_equal(np.asarray(reconstructed)[24:32], stored[24:32])
     assert int(visible) == 32
+
+
+def test_jitted_reconstruct_of_a_slot_out_of_range_reads_nothing():
+    keys, values = kv(seed=4)
+    cache = _prefill(one_active_cache(), 1, keys, values, 30)  # both slots hold tokens
+    jitted = jax.jit(paged_cache.reconstruct, static_argnums=(1, 2), static_argnames="include_pending")
+    for slot in (2, 5, -1):  # JAX indexing would clamp 2 and 5 and wrap -1 to slot 1
+        for include_pending in (False, True):
+            k, v, visible = jitted(cache, 0, 1, jnp.int32(slot), include_pending=include_pending)
+            assert int(visible) == 0 and not np.asarray(k).any() and not np.asarray(v).any(), slot
+
+
+@pytest.mark.parametrize("spec", [jflashloop.INT4_VALUES, jflashloop.NVFP4])
+def test_jitted_residual_positions_follow_the_documented_rule(spec):
+    rng = np.random.default_rng(0)
+    target, predecessor = (jnp.asarray(rng.standard_normal((10, 1, 16)), jnp.float32) for _ in range(2))
+
+    @jax.jit
+    def round_trip(positions):
+        return jflashloop.decode_residual(jflashloop.encode_residual(target, predecessor, spec, positions), predecessor)
+
+    def same(a, b):
+        np.testing.assert_array_equal(np.asarray(round_trip(jnp.array(a))), np.asarray(round_trip(jnp.array(b))))
+
+    same([5, 1, 3], [1, 3, 5])  # each row updates its own position, in any order
+    same([1, 1, 3], [1, 3, 3])  # a repeated position is applied once (its first row)
+    np.testing.assert_array_equal(np.asarray(round_trip(jnp.array([1, 1, 3])))[[1, 3]],
+                                  np.asarray(round_trip(jnp.array([1, 3])))[[1, 3]])
+    same([-1, 3, 10], [3, 3, 3])  # positions outside [0, tokens) are ignored (never wrapped)
+    untouched = np.asarray(round_trip(jnp.array([-1, 3, 10])))
+    np.testing.assert_array_equal(np.delete(untouched, 3, axis=0), np.delete(np.asarray(predecessor), 3, axis=0))
 
 
 # --------------------------------------------------------------------------- checked mode
