@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflashloop
-from jflashloop.attention import kernel_inputs
+from jflashloop.attention import kernel_inputs, rotated_inputs, unrotated_output
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import decode as bench
@@ -47,9 +47,9 @@ def formulation(name, loop=0, pages_only=False):
         return bench.ours(loop, implementation=None)
     from jflashloop_triton_kernels import decode_attention as gluon
 
-    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k]: pipelined kernel, fused windows, token
-    # chunk, target programs, register cap, kernel partials only (no merge)
-    stages, fused, chunk, programs, partials, maxnreg = None, False, None, 2048, False, None
+    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k][-m]: pipelined kernel, fused windows,
+    # token chunk, target programs, register cap, kernel partials only (no merge), merge inside the kernel
+    stages, fused, chunk, programs, partials, maxnreg, merge = None, False, None, 2048, False, None, "xla"
     if name.startswith("gluon2-s"):
         kernel = "pipelined"
         head, *options = name.removeprefix("gluon2-s").split("-")
@@ -63,6 +63,8 @@ def formulation(name, loop=0, pages_only=False):
                 maxnreg = int(option[1:])
             elif option == "k":
                 partials = True
+            elif option == "m":
+                merge = "kernel"
     elif name == "gluon":
         kernel = "simple"
     else:
@@ -72,14 +74,16 @@ def formulation(name, loop=0, pages_only=False):
     def run(queries, cache):
         c = cache.config
         inputs = kernel_inputs(cache, 0, loop, True)
-        return gluon.paged_decode_attention(
-            queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
-            inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
-            page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=loop,
+        queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs)
+        out = gluon.paged_decode_attention(
+            queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], windows["sink_keys"],
+            windows["sink_values"], windows["ring_keys"], windows["ring_values"], loops=inputs["loops"],
+            page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=window_loop,
             scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
             stages=stages or 2, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
             min_pages_per_split=1,
-            partials_only=partials, maxnreg=maxnreg)
+            partials_only=partials, maxnreg=maxnreg, merge=merge)
+        return out if partials else unrotated_output(out, value_seed)
 
     return run
 
@@ -118,6 +122,8 @@ def main() -> int:
     parser.add_argument("--shape", type=int, default=0)
     parser.add_argument("--shapes", default="0,1")
     parser.add_argument("--names", default="pallas,triton,gluon,gluon2-s2,gluon2-s2w")
+    parser.add_argument("--value-format", default="int4", help="int4, nvfp4 or int4_rotated (every stream)")
+    parser.add_argument("--loops", type=int, default=1, help="loop of the FlashLoop chain to read (1-4)")
     parser.add_argument("--device-time", action="store_true",
                         help="time calls inside one jitted function (no Python dispatch per call)")
     args = parser.parse_args()
@@ -133,7 +139,8 @@ def main() -> int:
             jax.block_until_ready(formulation(profiled, pages_only=True)(queries, cache))
         return 0
     bandwidth = bench.copy_bandwidth()
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; plain copy {bandwidth:.2f} TB/s", flush=True)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; plain copy {bandwidth:.2f} TB/s; "
+          f"{args.value_format} loop {args.loops}", flush=True)
     print("| shape | formulation | ms | TB/s on bytes read | % of copy | x cuDNN BF16 | max rel. error |")
     print("|---|---|---|---|---|---|---|")
     for index in (int(i) for i in args.shapes.split(",")):
@@ -148,16 +155,17 @@ def main() -> int:
         del sets
         print(f"| {name} | cuDNN BF16 | {cudnn_ms:.3f} | {bf16_bytes / cudnn_ms / 1e9:.2f} | "
               f"{100 * bf16_bytes / cudnn_ms / 1e9 / bandwidth:.0f}% | 1.00x | |", flush=True)
-        config = bench.make_config(sequences, kv_heads, tokens, 1, head_dim=head_dim)
-        bytes_read = bench.kernel_bytes(config, tokens, 0)
+        loop = args.loops - 1
+        config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim)
+        bytes_read = bench.kernel_bytes(config, tokens, loop)
         caches = [bench.random_cache(config, tokens, i) for i in range(bench.copies_for(bytes_read))]
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
-        expected = jflashloop.decode_attention_reference(queries, caches[0], 0, 0)
+        expected = jflashloop.decode_attention_reference(queries, caches[0], 0, loop)
         for fname in args.names.split(","):
             variants = [(fname, False)] + ([(fname + " (pages only)", True)] if fname in ("triton", "gluon") else [])
             for label, pages_only in variants:
                 try:
-                    run = formulation(fname, pages_only=pages_only)
+                    run = formulation(fname, loop=loop, pages_only=pages_only)
                     if args.device_time:
                         ms = device_ms(run, queries, [(c,) for c in caches])
                     else:

@@ -202,6 +202,25 @@ def test_gluon_kernel_reads_only_what_it_supports():
     assert "at most 8" in unsupported_reason(formats[:1], chain.head_dim, 64, 16)
 
 
+@pytest.mark.parametrize("group", [4, 3])
+def test_gluon_kernel_merges_the_splits_itself(rng, group):
+    config = one_loop_config(128, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
+    cache, _ = build(rng, config, prompt_lengths=[400, 5, 129], steps=1)
+    queries = jnp.asarray(rng.standard_normal((3, 2 * group, 128)), jnp.float32)
+    expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=True)
+    from jflashloop_triton_kernels import decode_attention as gluon
+
+    c = cache.config
+    inputs = kernel_inputs(cache, 0, 0, True)
+    actual = gluon.paged_decode_attention(
+        queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
+        inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
+        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=0, scale=1 / math.sqrt(c.head_dim),
+        splits=3, emulate=EMULATE, merge="kernel")
+    assert actual.shape == expected.shape
+    assert (relative_errors(actual, expected) < TOLERANCE).all()
+
+
 def test_emulation_refuses_unknown_inline_ptx():
     from jflashloop_triton_kernels import emulate
 

@@ -2,7 +2,7 @@
 
     python tools/check_sm120.py [--quick] [--targets 120,90] [--jobs 2]
 
-(about 3 CPU-minutes for the 54 rows, so 1.5-2 minutes with two processes
+(about 3 CPU-minutes for the 56 rows, so 1.5-2 minutes with two processes
 on two idle cores; ``--quick`` checks the subset tests/test_sm120.py runs
 in CI.)
 
@@ -293,6 +293,7 @@ def all_cases() -> tuple[Case, ...]:
         Case("pallas encode tiles int4 D128 P64", _pallas("jflashloop_encode", _tiles_lowered)),
         Case("pallas exact division", _pallas("divide_correctly_rounded", _division_lowered), quick=True),
         Case("gluon pipelined int4 D128 P64", _gluon(), quick=True),
+        Case("gluon pipelined int4 D128 P64 in-kernel merge", _gluon(merge=True)),
         Case("gluon pipelined nvfp4 D128 P64", _gluon(format="nvfp4")),
         Case("gluon pipelined int4_rotated D128 P64", _gluon(format="int4_rotated")),
         Case("gluon pipelined int4 dense chain D128 P64", _gluon(streams=2)),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, compiled tests, kernel sweep, benchmarks.
 # Usage (from the repository root, on the device machine):
-#   bash tools/gpu_session.sh STAGE...     STAGE in: gluontests formulations ncugluon tests kerneltests sweep chainsweep probe sharded quick bench codecs train demo
+#   bash tools/gpu_session.sh STAGE...     STAGE in: gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep probe sharded quick bench codecs train demo
 # Logs go to $OUT (or ./out); a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -48,6 +48,12 @@ for stage in "$@"; do
     probe) run_stage probe 120 python3 bench/prototypes/append_probe.py; cp /tmp/pack_hlo.txt "$OUT/" 2>/dev/null ;;
     gluontests) run_stage gluontests 200 python3 -m pytest -q -n 4 --maxfail=5 -p no:cacheprovider tests/test_gluon_decode.py ;;
     formulations) run_stage formulations 200 python3 bench/kernel_formulations.py ;;
+    gluonbench) run_stage gluonbench 280 python3 bench/kernel_formulations.py --device-time --shapes 0,1,2,3,4,5 \
+             --names pallas,public,gluon2-s2w,gluon2-s2w-m,gluon2-s2w-p1024-m ;;
+    gluonformats) for spec in nvfp4:1 int4_rotated:1 int4:2 int4:4; do
+               run_stage "formats-${spec/:/-loop}" 120 python3 bench/kernel_formulations.py --device-time --shapes 0,1 \
+                 --value-format "${spec%%:*}" --loops "${spec##*:}" --names pallas,gluon2-s2w,gluon2-s2w-m
+             done ;;
     ncugluon) profiled=${NCU_FORMULATIONS:-gluon2-s2,gluon2-s4}
              run_stage ncugluon 150 ncu --clock-control none -k regex:int4_pages \
              --launch-count "$(echo "$profiled" | tr ',' '\n' | wc -l)" \

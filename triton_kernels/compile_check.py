@@ -20,6 +20,7 @@ import tempfile
 
 POINTERS = ["*fp32", "*i32", "*i32"]
 OUTPUTS = ["*fp32", "*fp32", "*fp32"]
+MERGE_OUTPUTS = ["*fp32", "*i32"]
 
 
 @contextlib.contextmanager
@@ -40,12 +41,14 @@ def _fresh_cache():
 def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page_size: int = 64,
                          value_group: int = 64, sink_tokens: int = 4, ring: int = 64, stages: int = 2,
                          chunk: int | None = None, capability: int = 90, maxnreg: int | None = None,
-                         streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = ()):
+                         streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = (),
+                         merge: bool = False):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel.
 
     ``kernel``: ``"pipelined"`` or ``"simple"`` (Gluon, 1 warp) or
     ``"triton"`` (the simple kernel in plain Triton, 4 warps and 2 stages as
-    ``decode_attention.page_partials`` launches it).
+    ``decode_attention.page_partials`` launches it); ``merge``: the pipelined
+    kernel merges the splits itself.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -70,7 +73,10 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     if pipelined:
         constants["FORMAT"] = {"int4": 0, "nvfp4": 1, "int4_rotated": 2}[format]
         constants.update(SPARSE=len(sparse), R3=sparse[0] if sparse else 16, R4=sparse[1] if len(sparse) > 1 else 16)
-    types = POINTERS[:3] + stream + windows + scalars + OUTPUTS + ["constexpr"] * len(constants)
+    outputs = OUTPUTS + (MERGE_OUTPUTS if pipelined else [])
+    if pipelined:
+        constants.update(MERGE=merge, GROUP=8)
+    types = POINTERS[:3] + stream + windows + scalars + outputs + ["constexpr"] * len(constants)
     signature = dict(zip(fn.arg_names, types, strict=True))
     pointers = [i for i, t in enumerate(types) if t.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}

@@ -71,7 +71,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   page_size: int, sink_tokens: int, value_group: int, splits: int, kernel: str = "pipelined",
                   num_warps: int = 1, num_stages: int = 1, stages: int | None = None, windows=None,
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
-                  emulate: bool = False):
+                  emulate: bool = False, merge_group: int | None = None):
     """Run the Gluon page kernel.
 
     Args:
@@ -83,6 +83,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
       residual: loop 2's (keys, values) of a dense chain (pipelined kernel only).
       sparse, sparse_rows: loops 3-4 of a FlashLoop chain (their stream dicts,
         with ``row_positions``) and their stored rows per tile.
+      merge_group: merge the splits inside the kernel and also return the
+        output float32 ``[S, H * merge_group, D]`` (pipelined kernel only).
     Returns:
       ``(out [S, H, splits, 8, D], sum [S, H, splits, 8], max [S, H, splits, 8])``
       float32, natural channel order.
@@ -129,6 +131,12 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                 arrays += [*stream_arrays(keys), *stream_arrays(values), block_tables]
         extra.update(SPARSE=len(sparse), R3=sparse_rows[0] if sparse else 16,
                      R4=sparse_rows[1] if len(sparse) > 1 else 16)
+        out_shape += [
+            jax.ShapeDtypeStruct((sequences, kv_heads * (merge_group or 1), head_dim) if merge_group else (1,),
+                                 jnp.float32),
+            jax.ShapeDtypeStruct((sequences, kv_heads) if merge_group else (1,), jnp.int32),
+        ]
+        extra.update(MERGE=merge_group is not None, GROUP=merge_group or 8)
     elif stream_format:
         raise ValueError("only the pipelined kernel reads NVFP4 and int4_rotated streams")
     elif residual is not None:
@@ -143,10 +151,11 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         scalars += [sequences, 0, 0]
         extra.update(RING=16, WINDOWS=False)
     constants = dict(D=head_dim, PAGE=page_size, GV=value_group, SINK=sink_tokens, **extra)
+    zeroed = [len(out_shape) - 1] if merge_group else []  # the merge counters start at zero
     if emulate:  # the kernel's own body on the CPU (numpy), for tests
         return _emulated_call(kernel, (sequences, kv_heads, slots), arrays, scalars, out_shape, constants)
     return call.triton_call(
-        *arrays, *scalars,
+        *arrays, *scalars, zeroed_outputs=zeroed,
         kernel=kernel, out_shape=out_shape, grid=(sequences, kv_heads, slots),
         num_warps=num_warps, num_stages=num_stages, name=f"jflashloop_int4_pages_{splits=}",
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
@@ -169,13 +178,14 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
 @functools.partial(jax.jit, static_argnames=("loops", "page_size", "sink_tokens", "window_loop", "scale",
                                              "splits", "pages_only", "kernel", "stages",
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
-                                             "partials_only", "maxnreg", "emulate"))
+                                             "partials_only", "maxnreg", "emulate", "merge"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, loops, page_size: int, sink_tokens: int, window_loop: int,
                            scale: float, splits: int | None = None, pages_only: bool = False,
                            kernel: str = "pipelined", stages: int = 2, fused_windows: bool = True,
                            chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
-                           partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False):
+                           partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
+                           merge: str = "xla"):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -197,6 +207,10 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       kernel's partials unmerged (benchmarks).
     * ``emulate`` runs the Gluon kernel's own body on the CPU with numpy
       (:mod:`jflashloop_triton_kernels.emulate`; tests, small shapes).
+    * ``merge``: ``"xla"`` (partials merged by a separate XLA computation) or
+      ``"kernel"`` (the last program of each (sequence, KV head) merges them
+      and writes the output: one launch for the whole call; pipelined kernel
+      with fused windows).
     """
     sequences, q_heads, head_dim = queries.shape
     kv_heads = ring_keys.shape[2]
@@ -221,12 +235,16 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     residual = (streams[1]["keys"], streams[1]["values"]) if len(loops) >= 2 else None
     sparse = tuple(streams[i] for i in range(2, len(loops)))
     sparse_rows = tuple(loops[i].keys.rows for i in range(2, len(loops)))
-    output, total, running_max = page_partials(
+    in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
+    outputs = page_partials(
         query, block_tables, bounds, stream["keys"], stream["values"], residual=residual, sparse=sparse,
-        sparse_rows=sparse_rows, page_size=page_size,
+        sparse_rows=sparse_rows, merge_group=group if in_kernel else None, page_size=page_size,
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
+    output, total, running_max = outputs[:3]
+    if in_kernel:
+        return outputs[3]
     if partials_only:
         return output, total, running_max
     if not (pages_only or fused_windows):

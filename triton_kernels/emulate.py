@@ -117,6 +117,13 @@ class Shared:
         return list(self.array.shape)
 
 
+def _atomic_add(pointer: Pointer, value, mask=None, **_):
+    offset = np.asarray(pointer.offset, np.int64)
+    old = pointer.buffer[offset].copy()
+    pointer.buffer[offset] = old + np.asarray(value).astype(pointer.buffer.dtype)
+    return _t(old)
+
+
 def _copy_to_shared(shared: Shared, pointer: Pointer, mask=None, **_):
     shared.array[...] = _load(pointer, mask, 0)
 
@@ -246,6 +253,7 @@ def _gluon_namespace():
     g.static_range = range
     g.load = _load
     g.store = _store
+    g.atomic_add = _atomic_add
     g.inline_asm_elementwise = lambda asm, constraints, args, dtype, is_pure, pack: _inline_asm(
         asm, constraints, args, dtype, is_pure, pack)
     g.allocate_shared_memory = lambda dtype, shape, layout, value=None: Shared(np.zeros(shape, _np_dtype(dtype)))

@@ -1025,6 +1025,39 @@ def _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE: gl.c
     return acc
 
 
+@gluon.constexpr_function
+def _merge_layout(head_dim: int):
+    """``[8, D]`` partial outputs for the merge: rows on lanes 2-4, channels in 16-byte pieces."""
+    return gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
+
+
+@gluon.jit
+def _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D: gl.constexpr, GROUP: gl.constexpr):
+    """Stable log-sum-exp merge of the ``slots`` partials of ``program`` (a (sequence, KV head))
+    into its ``GROUP`` rows of ``final [S, H * GROUP, D]`` (zeros where nothing was visible)."""
+    L: gl.constexpr = _merge_layout(D)
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, L))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, L))
+    offsets = gl.expand_dims(rows, 1) * D + gl.expand_dims(cols, 0)
+    best = gl.full([8], -1e30, gl.float32, layout=gl.SliceLayout(1, L))
+    total = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, L))
+    combined = gl.zeros([8, D], gl.float32, layout=L)
+    for s in range(slots):  # online over the slots: one read of each partial
+        slot = program * slots + s
+        part_max = gl.load(max_ptr + slot * 8 + rows, cache_modifier=".cg")
+        part_sum = gl.load(sum_ptr + slot * 8 + rows, cache_modifier=".cg")
+        part = gl.load(out_ptr + slot * (8 * D) + offsets, cache_modifier=".cg")
+        new_best = gl.maximum(best, part_max)
+        old_weight = gl.exp2(best - new_best)
+        weight = gl.exp2(part_max - new_best)
+        total = total * old_weight + part_sum * weight
+        combined = combined * gl.expand_dims(old_weight, 1) + part * gl.expand_dims(weight, 1)
+        best = new_best
+    result = gl.where(gl.expand_dims(total > 0, 1), combined / gl.expand_dims(gl.where(total > 0, total, 1.0), 1), 0.0)
+    keep = gl.expand_dims(rows < GROUP, 1)
+    gl.store(final_ptr + (program * GROUP) * D + offsets, result, mask=keep)
+
+
 @gluon.jit
 def int4_pages_kernel_v2(
     q_ptr, table_ptr, bounds_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr,
@@ -1037,9 +1070,12 @@ def int4_pages_kernel_v2(
     ring_v_ptr,
     kv_heads, pool_pages, max_pages, pages_per_split, slots, sequences, window_loop, window_split,
     out_ptr, sum_ptr, max_ptr,
+    final_ptr,  # float32 [S, H * GROUP, D] (MERGE): the merged attention output
+    counter_ptr,  # int32 [S, H] (MERGE), zero at launch: programs of each (sequence, head) done
     D: gl.constexpr, PAGE: gl.constexpr, GV: gl.constexpr, SINK: gl.constexpr, STAGES: gl.constexpr,
     RING: gl.constexpr, WINDOWS: gl.constexpr, CHUNK: gl.constexpr, STREAMS: gl.constexpr,
     FORMAT: gl.constexpr = 0, SPARSE: gl.constexpr = 0, R3: gl.constexpr = 16, R4: gl.constexpr = 16,
+    MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1053,7 +1089,10 @@ def int4_pages_kernel_v2(
     float16) and the tile scale multiplies each product). ``SPARSE`` = 1 or 2
     adds loops 3 (and 4) of a FlashLoop chain after two dense INT4 loops:
     compact token-axis INT4 residual rows (``R3``, ``R4`` per tile) at the
-    tokens their positions name (int8 ``[H, pool, R]``)."""
+    tokens their positions name (int8 ``[H, pool, R]``). With ``MERGE`` the
+    last program of each (sequence, KV head) to finish (an atomic counter)
+    merges every split's partials and writes the ``GROUP`` output rows of
+    its query heads: no separate merge."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
     MMA: gl.constexpr = _mma()
@@ -1229,3 +1268,8 @@ def int4_pages_kernel_v2(
     gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows, 0) * D + gl.expand_dims(o_chan, 1), acc)
     gl.store(sum_ptr + slot * 8 + gl.arange(0, 8, layout=total.type.layout), total)
     gl.store(max_ptr + slot * 8 + gl.arange(0, 8, layout=run_max.type.layout), run_max)
+    if MERGE:
+        # Release this program's partials, count it; the last of its (sequence, head) merges them.
+        done = gl.atomic_add(counter_ptr + program, 1, sem="acq_rel", scope="gpu")
+        if done == slots - 1:
+            _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D, GROUP)
