@@ -59,7 +59,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-from . import inline_asm
+from . import inline_asm, launch
 
 MASK_VALUE = -1e30
 LOG2_E = math.log2(math.e)
@@ -106,6 +106,12 @@ class KernelConfig:
         error; decoded values must lie within +-65504) or ``"float32"``
         (float32 operands: TF32 on the GPU's matrix units, exact float32 in
         interpret mode; slower).
+      capability: compute capability the kernel is compiled for (``120``
+        for an RTX 50xx, ``90`` for an H200); None: the local GPU's. A
+        default ``num_stages`` is lowered where the page kernel's shared
+        memory would exceed that GPU's per-block limit
+        (:func:`jflashloop_pallas_kernels.launch.stages_that_fit`); an
+        explicit ``num_stages`` is kept.
     """
 
     num_splits: int | None = None
@@ -113,6 +119,7 @@ class KernelConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     products: str = "float16"
+    capability: int | None = None
 
     def __post_init__(self):
         if self.products not in PRODUCTS:
@@ -125,16 +132,29 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.num_stages must be None or >= 1, got {self.num_stages}")
         if self.target_programs < 1:
             raise ValueError(f"KernelConfig.target_programs must be >= 1, got {self.target_programs}")
+        if self.capability is not None and self.capability < launch.MINIMUM_CAPABILITY:
+            raise ValueError(f"KernelConfig.capability must be None or >= {launch.MINIMUM_CAPABILITY}, "
+                             f"got {self.capability}")
 
-    def launch_for(self, loops: tuple) -> tuple[int, int]:
-        """``(num_warps, num_stages)`` for a kernel reading ``len(loops)`` loops."""
+    def launch_for(self, loops: tuple, *, page_bytes: int = 0, tile_bytes: int = 0,
+                   capability: int | None = None) -> tuple[int, int]:
+        """``(num_warps, num_stages)`` for a page kernel reading ``len(loops)`` loops.
+
+        ``page_bytes`` (loaded per page) and ``tile_bytes`` (one decoded
+        operand tile) size its shared memory for ``sm_<capability>``
+        (:func:`jflashloop_pallas_kernels.launch.stages_that_fit`);
+        ``capability`` None sets no limit.
+        """
         warps = self.num_warps if self.num_warps is not None else (1 if len(loops) == 1 else 2)
         if self.num_stages is not None:
-            stages = self.num_stages
-        elif len(loops) == 1:
+            return warps, self.num_stages
+        if len(loops) == 1:
             stages = 3 if warps == 1 else 5
         else:
             stages = 5 if len(loops) == 2 else 4  # each pipelined stream adds shared memory
+        if capability is not None:
+            stages = launch.stages_that_fit(stages, capability=capability, page_bytes=page_bytes,
+                                            tile_bytes=tile_bytes)
         return warps, stages
 
     def splits_for(self, sequences: int, kv_heads: int, max_pages: int) -> int:
@@ -314,6 +334,24 @@ def _load_rows(ref, head, page, stored: int, padded: int, other=0):
 
 def _padded_rows(fmt: StreamFormat, sparse: bool) -> int:
     return max(16, pl.next_power_of_2(fmt.rows)) if sparse else fmt.rows
+
+
+def page_bytes(streams, loops: tuple[LoopFormat, ...]) -> int:
+    """Bytes one page program loads per page: every array of every loop's streams.
+
+    Args:
+      streams: as for :func:`paged_decode_attention` (leaves ``[kv_heads,
+        pages, ...]``).
+      loops: their formats; sparse loops count their rows padded as the
+        kernel loads them.
+    """
+    total = 0
+    for loop, refs in zip(loops, streams, strict=True):
+        stored, padded = loop.keys.rows, _padded_rows(loop.keys, loop.sparse)
+        for leaf in jax.tree.leaves(refs):
+            per_page = leaf.size * leaf.dtype.itemsize // (leaf.shape[0] * leaf.shape[1])
+            total += -(-per_page * padded // stored)
+    return total
 
 
 def _load_stream(refs, fmt: StreamFormat, head, page, sparse: bool, head_dim: int):
@@ -720,7 +758,12 @@ def paged_decode_attention(
         sink_keys = sink_values = None
 
     full = pl.BlockSpec()
-    num_warps, num_stages = config.launch_for(loops)
+    capability = config.capability
+    if capability is None and not interpret:
+        capability = launch.local_capability()
+    num_warps, num_stages = config.launch_for(
+        loops, page_bytes=page_bytes(streams, loops),
+        tile_bytes=page_size * head_dim * jnp.dtype(PRODUCTS[config.products]).itemsize, capability=capability)
     use_asm = not interpret and config.products == "float16" and inline_asm.AVAILABLE
     kernel = functools.partial(
         _decode_kernel,
@@ -762,7 +805,7 @@ def paged_decode_attention(
         input_output_aliases=aliases,
         compiler_params=pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"jflashloop_decode_loops{len(loops)}_{splits=}_{rows=}_{num_warps=}_{config.products}",
+        name=f"jflashloop_decode_loops{len(loops)}_{splits=}_{rows=}_{num_warps=}_{num_stages=}_{config.products}",
     )(*inputs)
     window_inputs = [query, bounds, sink_keys, sink_values, ring_keys, ring_values]
     first_alias = len(jax.tree.leaves(window_inputs))

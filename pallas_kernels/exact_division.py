@@ -80,6 +80,11 @@ def divide_correctly_rounded(
         grid=(padded // BLOCK_ELEMENTS,),
         in_specs=[block, block],
         out_specs=block,
+        # Explicit: without Triton compiler parameters jax 0.10 lowers to Mosaic
+        # GPU (its default jax_pallas_use_mosaic_gpu), which rejects this
+        # kernel's 1024-element blocks ("Async copies only support copying
+        # <=256 elements along each dimension").
+        compiler_params=pallas_triton.CompilerParams(),
         interpret=interpret,
         name="divide_correctly_rounded",
     )(flat_numerator, flat_denominator)

@@ -1,13 +1,18 @@
-"""Compile the Gluon kernels for a GPU target without a GPU (triton's own ptxas).
+"""Compile the project's GPU kernels for a GPU target without a GPU (triton's own ptxas).
 
 Used by the tests (layouts: every ``assert_trivial`` conversion must hold, so
-no decoded tile goes through shared memory) and by the resource reports:
-:func:`compile_pages_kernel` returns the PTX and the metadata, and
-:func:`ptxas_resources` the registers, spills and shared memory ptxas reports.
+no decoded tile goes through shared memory), by ``tools/check_sm120.py`` and
+by the resource reports: :func:`compile_pages_kernel` compiles a Gluon (or
+plain Triton) page kernel, :func:`compile_ir` any Triton IR (the Pallas
+kernels' IR, :mod:`jflashloop_pallas_kernels.triton_ir`); both return the
+CompiledKernel (PTX in ``asm["ptx"]``, dynamic shared memory in
+``metadata.shared``), and :func:`ptxas_resources` gives the registers, spills
+and static shared memory ptxas reports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -18,20 +23,43 @@ OUTPUTS = ["*fp32", "*fp32", "*fp32"]
 MERGE_OUTPUTS = ["*fp32", "*i32"]
 
 
+@contextlib.contextmanager
+def _fresh_cache():
+    """A private, empty triton cache for the duration (so every call really compiles)."""
+    with tempfile.TemporaryDirectory() as cache:
+        saved = os.environ.get("TRITON_CACHE_DIR")
+        os.environ["TRITON_CACHE_DIR"] = cache
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = saved
+
+
 def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page_size: int = 64,
                          value_group: int = 64, sink_tokens: int = 4, ring: int = 64, stages: int = 2,
                          chunk: int | None = None, capability: int = 90, maxnreg: int | None = None,
                          streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = (),
                          merge: bool = False):
-    """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel."""
+    """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel.
+
+    ``kernel``: ``"pipelined"`` or ``"simple"`` (Gluon, 1 warp) or
+    ``"triton"`` (the simple kernel in plain Triton, 4 warps and 2 stages as
+    ``decode_attention.page_partials`` launches it); ``merge``: the pipelined
+    kernel merges the splits itself.
+    """
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from . import gluon_decode
+    from . import gluon_decode, triton_decode
 
     pipelined = kernel == "pipelined"
-    fn = gluon_decode.int4_pages_kernel_v2 if pipelined else gluon_decode.int4_pages_kernel
+    fn = {"pipelined": gluon_decode.int4_pages_kernel_v2, "simple": gluon_decode.int4_pages_kernel,
+          "triton": triton_decode.int4_pages_kernel}[kernel]
     stream = {"int4": ["*u32", "*fp16", "*fp16"], "nvfp4": ["*u32", "*u8", "*fp32"],
               "int4_rotated": ["*u32", "*fp32", "*fp32"]}[format] * 2
     sparse_stream = ["*u32", "*fp16", "*fp16", "*u32", "*fp16", "*fp16", "*i8"]
@@ -52,20 +80,31 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     signature = dict(zip(fn.arg_names, types, strict=True))
     pointers = [i for i, t in enumerate(types) if t.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
-    options = {"num_warps": 1}
+    options = {"num_warps": 4, "num_stages": 2} if kernel == "triton" else {"num_warps": 1}
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
-    with tempfile.TemporaryDirectory() as cache:
-        saved = os.environ.get("TRITON_CACHE_DIR")
-        os.environ["TRITON_CACHE_DIR"] = cache
-        try:
-            return triton.compile(GluonASTSource(fn, signature, constants, attrs),
-                                  target=GPUTarget("cuda", capability, 32), options=options)
-        finally:
-            if saved is None:
-                os.environ.pop("TRITON_CACHE_DIR", None)
-            else:
-                os.environ["TRITON_CACHE_DIR"] = saved
+    source = (ASTSource if kernel == "triton" else GluonASTSource)(fn, signature, constants, attrs)
+    with _fresh_cache():
+        return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def compile_ir(ir: str, *, capability: int, num_warps: int, num_stages: int):
+    """``triton.compile`` Triton IR text (``tt`` dialect) for ``sm_<capability>``: the CompiledKernel.
+
+    Args:
+      ir: e.g. :attr:`jflashloop_pallas_kernels.triton_ir.TritonKernel.ir`.
+      capability: e.g. 120 or 90.
+      num_warps, num_stages: launch parameters, as the kernel was lowered with.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as folder, _fresh_cache():
+        source = os.path.join(folder, "kernel.ttir")  # triton.compile reads IR from a file named *.ttir
+        with open(source, "w") as handle:
+            handle.write(ir)
+        return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def ptxas_resources(ptx: str, arch: str) -> dict[str, int]:

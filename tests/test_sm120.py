@@ -1,0 +1,149 @@
+"""Consumer Blackwell (sm_120): launch choices by compute capability, and the compile check.
+
+The launch tests are pure. ``test_kernels_compile_for_sm120`` runs
+``tools/check_sm120.py --quick --targets 120`` (needs triton): the Pallas
+full chain at head_dim 256 (its stage count chosen for sm_120), the window,
+page-packing and division kernels, the pipelined and simple Gluon kernels;
+the script itself checks every kernel on sm_120 and sm_90.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from jflashloop import attention, paged_cache
+from jflashloop_pallas_kernels import launch
+from jflashloop_pallas_kernels.decode_attention import KernelConfig, page_bytes
+from jflashloop_triton_kernels import launch as gluon_launch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "check_sm120.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("check_sm120", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its process pool pickles functions by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+check_sm120 = _load_script()
+
+
+def test_shared_memory_per_block():
+    assert launch.shared_memory_per_block(120) == 101376 == 99 * 1024
+    assert launch.shared_memory_per_block(90) == 232448 == 227 * 1024
+    assert launch.shared_memory_per_block(130) == 101376  # an unknown, newer GPU: the smallest figure
+    with pytest.raises(ValueError, match="80"):
+        launch.shared_memory_per_block(75)
+    with pytest.raises(ValueError, match="capability"):
+        KernelConfig(capability=75)
+
+
+def _loops_and_bytes(format, head_dim, page_size, loop):
+    cache = paged_cache.create(check_sm120._cache_config(format, head_dim, page_size))
+    inputs = attention.kernel_inputs(cache, 0, loop, include_pending=False)
+    return inputs["loops"], page_bytes(inputs["streams"], inputs["loops"])
+
+
+def test_page_bytes_count_every_array_loaded_per_page():
+    _, one_loop = _loops_and_bytes("int4", 128, 64, 0)
+    # K and V words 2 x 64 x 16 x 4, K scale + minimum 2 x 128 x 2, V scale + minimum 2 x 64 x 2 x 2
+    assert one_loop == 8192 + 512 + 512
+    _, full_chain = _loops_and_bytes("int4", 128, 64, 3)
+    # + loop 2, and sparse loops of 16 and 7 rows, each padded to 16 rows, with their int8 positions
+    sparse_loop = 2 * (16 * 16 * 4 + 16 * 2 * 2 * 2) + 16
+    assert full_chain == 2 * one_loop + 2 * sparse_loop
+
+
+@pytest.mark.parametrize(
+    "head_dim, loop, capability, stages",
+    [
+        (128, 0, 120, 3), (128, 1, 120, 5), (128, 3, 120, 4),  # the benchmarked shape: the H200 defaults
+        (128, 1, 90, 5), (256, 1, 90, 5), (256, 3, 90, 4),
+        (256, 0, 120, 3), (256, 1, 120, 2), (256, 3, 120, 2),  # chains of 256-channel pages: fewer stages
+    ],
+)
+def test_pallas_stages_fit_the_target(head_dim, loop, capability, stages):
+    loops, per_page = _loops_and_bytes("int4", head_dim, 64, loop)
+    tile = 64 * head_dim * 2
+    _, chosen = KernelConfig().launch_for(loops, page_bytes=per_page, tile_bytes=tile, capability=capability)
+    assert chosen == stages
+    bound = launch.page_kernel_shared_bytes(chosen, page_bytes=per_page, tile_bytes=tile)
+    assert bound <= launch.shared_memory_per_block(capability)
+    _, default = KernelConfig().launch_for(loops)  # no target: the H200-measured default
+    if chosen < default:  # lowered no further than needed: one more stage would not fit
+        bound = launch.page_kernel_shared_bytes(chosen + 1, page_bytes=per_page, tile_bytes=tile)
+        assert bound > launch.shared_memory_per_block(capability)
+
+
+def test_explicit_stages_and_no_target_are_kept():
+    loops, per_page = _loops_and_bytes("int4", 256, 64, 1)
+    assert KernelConfig(num_stages=5).launch_for(loops, page_bytes=per_page, tile_bytes=32768, capability=120) == (2, 5)
+    assert KernelConfig().launch_for(loops, page_bytes=per_page, tile_bytes=32768) == (2, 5)
+
+
+def test_gluon_stages_fit_the_target():
+    chain = dict(head_dim=256, page_size=128, streams=2)
+    assert gluon_launch.pipelined_stages(capability=90, **chain) == 2
+    assert gluon_launch.pipelined_stages(capability=120, **chain) == 1
+    assert gluon_launch.pipelined_shared_bytes(stages=2, **chain) == 143360 > 101376
+    for capability in (90, 120):  # the benchmarked shapes keep two stages
+        assert gluon_launch.pipelined_stages(capability=capability, head_dim=128, page_size=64) == 2
+        assert gluon_launch.pipelined_stages(capability=capability, head_dim=128, page_size=64, streams=2,
+                                             sparse_rows=(16, 7)) == 2
+    with pytest.raises(ValueError, match="shared memory"):
+        gluon_launch.pipelined_stages(capability=120, sparse_rows=(128, 128), **chain)
+
+
+PTX = """
+    mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2, %r3, %r4}, {%r5, %r6}, {%f1, %f2, %f3, %f4};
+    mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2, %r3, %r4}, {%r5, %r6}, {%f1, %f2, %f3, %f4};
+    ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%r9];
+    cp.async.cg.shared.global [ %r10 + 0 ], [ %rd1 + 0 ], 0x10, %r11;
+    cp.async.commit_group;
+    cp.async.wait_group 1;
+    cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd2, {%r2, %r3}], [%r4];
+    wgmma.fence.sync.aligned;
+    cvt.rn.f16x2.e2m1x2 %r1, %rs1;
+"""
+
+
+def test_instruction_families():
+    counts = check_sm120.instruction_families(PTX)
+    assert counts == {"mma.sync": 2, "ldmatrix": 1, "cp.async": 1, "wgmma": 1, "tcgen05": 0,
+                      "cp.async.bulk.tensor": 1, "setmaxnreg": 0, "cvt.e2m1x2": 1}
+
+
+def test_problems():
+    Row = check_sm120.Row
+    clean = dict(compiled=True, num_warps=2, num_stages=2, registers=128,
+                 families=dict.fromkeys(check_sm120.FAMILIES, 0))
+    assert check_sm120.problems(Row("k", 120, **clean)) == []
+    hopper = {**clean, "families": {**clean["families"], "wgmma": 3, "setmaxnreg": 1}}
+    assert check_sm120.problems(Row("k", 120, **hopper)) == ["uses wgmma (3x)", "uses setmaxnreg (1x)"]
+    assert check_sm120.problems(Row("k", 90, **hopper)) == []  # wgmma is the H200's own
+    assert "shared memory" in check_sm120.problems(Row("k", 120, dynamic_shared=100000, static_shared=1377,
+                                                       **clean))[0]
+    assert check_sm120.problems(Row("k", 90, dynamic_shared=101377, **clean)) == []
+    assert "registers" in check_sm120.problems(Row("k", 120, **{**clean, "registers": 255, "num_warps": 16}))[0]
+    assert "launch formula" in check_sm120.problems(Row("k", 120, dynamic_shared=8, expected_shared=4,
+                                                        **clean))[0]
+    assert check_sm120.problems(Row("k", 120, compiled=False, error="boom")) == ["does not compile: boom"]
+
+
+def test_kernels_compile_for_sm120(capsys):
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.experimental.gluon")
+    status = check_sm120.main(["--quick", "--targets", "120", "--jobs", "1"])
+    table = capsys.readouterr().out
+    assert status == 0, table
+    quick = [case.name for case in check_sm120.all_cases() if case.quick]
+    assert len(quick) >= 6
+    for name in quick:
+        assert f"| {name} | sm_120 | yes |" in table and table.count(f"| {name} |") == 1, table
+    assert table.count("| ok |") == len(quick), table
