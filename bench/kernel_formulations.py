@@ -80,7 +80,7 @@ def formulation(name, loop=0, pages_only=False):
             windows["sink_values"], windows["ring_keys"], windows["ring_values"], loops=inputs["loops"],
             page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=window_loop,
             scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
-            stages=stages or 2, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
+            stages=stages, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
             min_pages_per_split=1,
             partials_only=partials, maxnreg=maxnreg, merge=merge)
         return out if partials else unrotated_output(out, value_seed)

@@ -18,6 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jflashloop_pallas_kernels import decode_attention as pallas_decode
+from jflashloop_pallas_kernels import launch as pallas_launch
+
+from . import launch
 
 ROWS = 8
 LOG2_E = math.log2(math.e)
@@ -182,7 +185,7 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, loops, page_size: int, sink_tokens: int, window_loop: int,
                            scale: float, splits: int | None = None, pages_only: bool = False,
-                           kernel: str = "pipelined", stages: int = 2, fused_windows: bool = True,
+                           kernel: str = "pipelined", stages: int | None = None, fused_windows: bool = True,
                            chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
                            merge: str = "xla"):
@@ -194,8 +197,10 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     the rest choose the kernel (the defaults are the measured best,
     ``bench/KERNEL_NOTES.md``):
 
-    * ``kernel``: ``"pipelined"`` (cp.async pipeline of ``stages`` pages,
-      windows inside when ``fused_windows``), ``"simple"`` (one page at a time,
+    * ``kernel``: ``"pipelined"`` (cp.async pipeline of ``stages`` pages; None:
+      2, or fewer where the GPU's shared memory per block needs it,
+      :func:`jflashloop_triton_kernels.launch.pipelined_stages`; windows inside
+      when ``fused_windows``), ``"simple"`` (one page at a time,
       loads straight to registers; windows by the Pallas window kernel) or
       ``"triton"`` (the simple kernel's algorithm in plain Triton).
     * ``splits``: split-KV programs per (sequence, KV head); None gives about
@@ -235,6 +240,11 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     residual = (streams[1]["keys"], streams[1]["values"]) if len(loops) >= 2 else None
     sparse = tuple(streams[i] for i in range(2, len(loops)))
     sparse_rows = tuple(loops[i].keys.rows for i in range(2, len(loops)))
+    if stages is None:
+        capability = None if emulate else pallas_launch.local_capability()
+        stages = 2 if capability is None else launch.pipelined_stages(
+            capability=capability, head_dim=head_dim, page_size=page_size, format=loops[0].keys.format,
+            value_group=loops[0].values.group_size, streams=min(len(loops), 2), sparse_rows=sparse_rows)
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
     outputs = page_partials(
         query, block_tables, bounds, stream["keys"], stream["values"], residual=residual, sparse=sparse,
