@@ -47,9 +47,10 @@ def formulation(name, loop=0, pages_only=False):
         return bench.ours(loop, implementation=None)
     from jflashloop_triton_kernels import decode_attention as gluon
 
-    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k][-m]: pipelined kernel, fused windows,
-    # token chunk, target programs, register cap, kernel partials only (no merge), merge inside the kernel
-    stages, fused, chunk, programs, partials, maxnreg, merge = None, False, None, 2048, False, None, "xla"
+    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k][-m][-f]: pipelined kernel, fused windows,
+    # token chunk, target programs, register cap, kernel partials only (no merge), merge inside the kernel,
+    # one float16 query (not the precise pair)
+    stages, fused, chunk, programs, partials, maxnreg, merge, precise = None, False, None, 2048, False, None, "xla", True
     if name.startswith("gluon2-s"):
         kernel = "pipelined"
         head, *options = name.removeprefix("gluon2-s").split("-")
@@ -65,6 +66,8 @@ def formulation(name, loop=0, pages_only=False):
                 partials = True
             elif option == "m":
                 merge = "kernel"
+            elif option == "f":
+                precise = False
     elif name == "gluon":
         kernel = "simple"
     else:
@@ -82,7 +85,7 @@ def formulation(name, loop=0, pages_only=False):
             scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
             stages=stages, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
             min_pages_per_split=1,
-            partials_only=partials, maxnreg=maxnreg, merge=merge)
+            partials_only=partials, maxnreg=maxnreg, merge=merge, precise=precise)
         return out if partials else unrotated_output(out, value_seed)
 
     return run

@@ -119,19 +119,19 @@ def test_gluon_kernel_window_policies(rng, sink, recent):
         assert (relative_errors(actual, expected) < TOLERANCE).all(), (pending, relative_errors(actual, expected))
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
-def test_gluon_kernel_outlier_channels_and_pending_token(rng, version):
+@pytest.mark.parametrize("head_dim, version", [(128, 1), (128, 2), (128, 3), (64, 3), (256, 3)])
+def test_gluon_kernel_outlier_channels_and_pending_token(rng, head_dim, version):
     """Keys with a few channels 10x the rest and large per-channel offsets (real-model K)."""
-    config = one_loop_config(128, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
+    config = one_loop_config(head_dim, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
     cache = jflashloop.paged_cache.create(config)
     for slot, length in enumerate([700, 65, 1000]):
-        keys = rng.standard_normal((config.num_layers, 1, 1024, 2, 128))
+        keys = rng.standard_normal((config.num_layers, 1, 1024, 2, head_dim))
         keys[..., :6] *= 10
-        keys += rng.standard_normal((1, 1, 1, 2, 128)) * 3
-        values = rng.standard_normal((config.num_layers, 1, 1024, 2, 128))
+        keys += rng.standard_normal((1, 1, 1, 2, head_dim)) * 3
+        values = rng.standard_normal((config.num_layers, 1, 1024, 2, head_dim))
         cache = jflashloop.paged_cache.prefill(cache, slot, jnp.asarray(keys, jnp.float32),
                                                jnp.asarray(values, jnp.float32), length)
-    queries = jnp.asarray(rng.standard_normal((3, 8, 128)), jnp.float32)
+    queries = jnp.asarray(rng.standard_normal((3, 8, head_dim)), jnp.float32)
     expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=True)
     actual = gluon_attention(queries, cache, 0, include_pending=True, version=version)
     assert (relative_errors(actual, expected) < TOLERANCE).all()

@@ -42,7 +42,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
                          value_group: int = 64, sink_tokens: int = 4, ring: int = 64, stages: int = 2,
                          chunk: int | None = None, capability: int = 90, maxnreg: int | None = None,
                          streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = (),
-                         merge: bool = False):
+                         merge: bool = False, precise: bool = True):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel.
 
     ``kernel``: ``"pipelined"`` or ``"simple"`` (Gluon, 1 warp) or
@@ -75,7 +75,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
         constants.update(SPARSE=len(sparse), R3=sparse[0] if sparse else 16, R4=sparse[1] if len(sparse) > 1 else 16)
     outputs = OUTPUTS + (MERGE_OUTPUTS if pipelined else [])
     if pipelined:
-        constants.update(MERGE=merge, GROUP=8)
+        constants.update(MERGE=merge, GROUP=8, PRECISE=precise)
     types = POINTERS[:3] + stream + windows + scalars + outputs + ["constexpr"] * len(constants)
     signature = dict(zip(fn.arg_names, types, strict=True))
     pointers = [i for i, t in enumerate(types) if t.startswith("*")]

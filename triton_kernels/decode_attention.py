@@ -74,7 +74,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   page_size: int, sink_tokens: int, value_group: int, splits: int, kernel: str = "pipelined",
                   num_warps: int = 1, num_stages: int = 1, stages: int | None = None, windows=None,
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
-                  emulate: bool = False, merge_group: int | None = None):
+                  emulate: bool = False, merge_group: int | None = None, precise: bool = True):
     """Run the Gluon page kernel.
 
     Args:
@@ -139,7 +139,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                                  jnp.float32),
             jax.ShapeDtypeStruct((sequences, kv_heads) if merge_group else (1,), jnp.int32),
         ]
-        extra.update(MERGE=merge_group is not None, GROUP=merge_group or 8)
+        extra.update(MERGE=merge_group is not None, GROUP=merge_group or 8, PRECISE=precise)
     elif stream_format:
         raise ValueError("only the pipelined kernel reads NVFP4 and int4_rotated streams")
     elif residual is not None:
@@ -181,14 +181,14 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
 @functools.partial(jax.jit, static_argnames=("loops", "page_size", "sink_tokens", "window_loop", "scale",
                                              "splits", "pages_only", "kernel", "stages",
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
-                                             "partials_only", "maxnreg", "emulate", "merge"))
+                                             "partials_only", "maxnreg", "emulate", "merge", "precise"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, loops, page_size: int, sink_tokens: int, window_loop: int,
                            scale: float, splits: int | None = None, pages_only: bool = False,
                            kernel: str = "pipelined", stages: int | None = None, fused_windows: bool = True,
                            chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
-                           merge: str = "xla"):
+                           merge: str = "xla", precise: bool = True):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -212,6 +212,9 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       kernel's partials unmerged (benchmarks).
     * ``emulate`` runs the Gluon kernel's own body on the CPU with numpy
       (:mod:`jflashloop_triton_kernels.emulate`; tests, small shapes).
+    * ``precise`` (pipelined kernel): the query and each page's scaled query
+      as float16 pairs (two products each; about 10x less error on keys with
+      outlier channels and large per-channel offsets), else one float16 each.
     * ``merge``: ``"xla"`` (partials merged by a separate XLA computation) or
       ``"kernel"`` (the last program of each (sequence, KV head) merges them
       and writes the output: one launch for the whole call; pipelined kernel
@@ -248,7 +251,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
     outputs = page_partials(
         query, block_tables, bounds, stream["keys"], stream["values"], residual=residual, sparse=sparse,
-        sparse_rows=sparse_rows, merge_group=group if in_kernel else None, page_size=page_size,
+        sparse_rows=sparse_rows, merge_group=group if in_kernel else None, precise=precise, page_size=page_size,
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))

@@ -248,6 +248,8 @@ def _gluon_namespace():
     g.maximum = lambda a, b: _t(np.maximum(a, b))
     g.minimum = lambda a, b: _t(np.minimum(a, b))
     g.exp2 = lambda x: _t(np.exp2(x))
+    g.fma = lambda a, b, c: _t((np.asarray(a, np.float64) * np.asarray(b, np.float64)
+                               + np.asarray(c, np.float64)).astype(np.result_type(a, b, c)))
     g.where = lambda c, a, b: _t(np.where(c, a, b).astype(np.result_type(a, b)))
     g.cdiv = lambda a, b: (a + b - 1) // b
     g.static_range = range

@@ -688,7 +688,24 @@ def _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D: gl.constexpr, W:
     k_scale = gl.convert_layout(k_scale, gl.SliceLayout(0, A_OP), assert_trivial=True)
     k_min = gl.convert_layout(k_min, gl.SliceLayout(1, B8), assert_trivial=True)
     minimum = gl.broadcast(gl.expand_dims(k_min, 1), zeros_b8)[0]
-    return query * gl.expand_dims(k_scale, 0), mma_v2(query, minimum, zeros_c8)
+    scale = gl.expand_dims(k_scale, 0)
+    scaled_hi = query[0] * scale
+    if len(query) == 2:
+        scaled_lo = gl.fma(query[1], scale, gl.fma(query[0], scale, -scaled_hi))  # the rounding remainder
+        scaled = (scaled_hi, scaled_lo)
+    else:
+        scaled = (scaled_hi,)
+    return scaled, _q_dot(query, minimum, zeros_c8)
+
+
+@gluon.jit
+def _q_dot(query, b, acc):
+    """``acc + q . b`` for a query held as ``(hi,)`` (float16) or ``(hi, lo)`` (a float16 pair
+    of about 22 bits: two products)."""
+    acc = mma_v2(query[0], b, acc)
+    if len(query) == 2:
+        acc = mma_v2(query[1], b, acc)
+    return acc
 
 
 @gluon.jit
@@ -825,7 +842,7 @@ def _window_chunk(query, k_ptr, v_ptr, first, count, valid, total, run_max, acc,
     values = gl.reshape(values, [16, 8, W // 8, 2, 2, 2])  # (row, wt, wl, i2, i1, i0)
     values = gl.reshape(gl.permute(values, [3, 4, 5, 2, 1, 0]), [D, 16])  # (i2, i1, i0, wl, wt; row)
     values = gl.convert_layout(values, A_OP, assert_trivial=True)
-    scores = _top_rows(mma_v2(query, keys, gl.zeros([16, 16], gl.float32, layout=MMA)), 16)  # [8, 16]
+    scores = _top_rows(_q_dot(query, keys, gl.zeros([16, 16], gl.float32, layout=MMA)), 16)  # [8, 16]
     scores = gl.convert_layout(scores, tokens_w_layout(MMA), assert_trivial=True)
     mask = gl.expand_dims(valid, 0)
     scores = gl.where(mask, scores, MASK_VALUE)
@@ -926,7 +943,7 @@ def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CH
     keys = _planes_to_key_tile(gl.reshape(c0, [RP, W]), gl.reshape(c1, [RP, W]), gl.reshape(c2, [RP, W]),
                                gl.reshape(c3, [RP, W]), gl.reshape(c4, [RP, W]), gl.reshape(c5, [RP, W]),
                                gl.reshape(c6, [RP, W]), gl.reshape(c7, [RP, W]), RP, W, D, B_OP)
-    rows = mma_v2(query, keys, gl.zeros([16, RP], gl.float32, layout=MMA))  # [16, RP]
+    rows = _q_dot(query, keys, gl.zeros([16, RP], gl.float32, layout=MMA))  # [16, RP]
     rows = gl.convert_layout(rows.to(gl.float16), A_OP, assert_trivial=True)
     token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, B_OP))
     one_hot = (gl.expand_dims(positions, 1) == gl.expand_dims(token, 0)).to(gl.float16)  # [RP, CHUNK]
@@ -978,14 +995,14 @@ def _add_key_scores(scores, query, terms, kw_s, ks_s, stage, c, zero_scores, PAG
             dtype=(gl.float16,) * 8, is_pure=True, pack=1)
         keys = _planes_to_key_tile(c0, c1, c2, c3, c4, c5, c6, c7, CHUNK, W, D, B_OP)
         column_scale = row_scale.load(gl.SliceLayout(0, zero_scores.type.layout))
-        scores = scores + mma_v2(query, keys, zero_scores) * gl.expand_dims(column_scale, 0)
+        scores = scores + _q_dot(query, keys, zero_scores) * gl.expand_dims(column_scale, 0)
     elif FORMAT == NVFP4:
         SB: gl.constexpr = gl.SliceLayout(2, gl.reshape(words, [CHUNK, W // 2, 2]).type.layout)
         scale_bytes = ks_s.index(stage).reshape([PAGE, D // 16]).slice(c * CHUNK, CHUNK, 0).load(SB)
         keys = _nvfp4_key_tile(words, scale_bytes, CHUNK, W, D, B_OP)
-        scores = scores + terms[0] * mma_v2(query, keys, zero_scores)
+        scores = scores + terms[0] * _q_dot(query, keys, zero_scores)
     else:
-        scores = mma_v2(terms[0], _key_tile_v2(words, CHUNK, W, D, B_OP), scores)
+        scores = _q_dot(terms[0], _key_tile_v2(words, CHUNK, W, D, B_OP), scores)
     return scores
 
 
@@ -1075,7 +1092,7 @@ def int4_pages_kernel_v2(
     D: gl.constexpr, PAGE: gl.constexpr, GV: gl.constexpr, SINK: gl.constexpr, STAGES: gl.constexpr,
     RING: gl.constexpr, WINDOWS: gl.constexpr, CHUNK: gl.constexpr, STREAMS: gl.constexpr,
     FORMAT: gl.constexpr = 0, SPARSE: gl.constexpr = 0, R3: gl.constexpr = 16, R4: gl.constexpr = 16,
-    MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8,
+    MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1092,7 +1109,9 @@ def int4_pages_kernel_v2(
     tokens their positions name (int8 ``[H, pool, R]``). With ``MERGE`` the
     last program of each (sequence, KV head) to finish (an atomic counter)
     merges every split's partials and writes the ``GROUP`` output rows of
-    its query heads: no separate merge."""
+    its query heads: no separate merge. ``PRECISE`` holds the query and the
+    page's scaled query as float16 pairs (two products each): about 10x less
+    error on keys with outlier channels and large per-channel offsets."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
     MMA: gl.constexpr = _mma()
@@ -1150,7 +1169,14 @@ def int4_pages_kernel_v2(
     q_rows = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
     q_cols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
     query = gl.load(q_ptr + program * (8 * D) + gl.expand_dims(q_rows, 1) * D + gl.expand_dims(q_cols, 0))
-    query = _pad_rows(_to_key_order(query.to(gl.float16), D, W), D, A_OP)  # [16, D]
+    # PRECISE: the query, and each page's scaled query, as float16 pairs hi + lo (the rounding
+    # remainder in lo), so that the large q . k of offset and outlier key channels keep ~22 bits.
+    query_hi = query.to(gl.float16)
+    if PRECISE:
+        query_lo = (query - query_hi.to(gl.float32)).to(gl.float16)
+        query = (_pad_rows(_to_key_order(query_hi, D, W), D, A_OP), _pad_rows(_to_key_order(query_lo, D, W), D, A_OP))
+    else:
+        query = (_pad_rows(_to_key_order(query_hi, D, W), D, A_OP),)
     B8: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     zeros_b8 = gl.zeros([D, 8], gl.float16, layout=B8)
     zeros_c8 = gl.zeros([16, 8], gl.float32, layout=MMA)
