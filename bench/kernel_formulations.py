@@ -49,8 +49,8 @@ def formulation(name, loop=0, pages_only=False):
 
     # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k][-m][-f]: pipelined kernel, fused windows,
     # token chunk, target programs, register cap, kernel partials only (no merge), merge inside the kernel,
-    # one float16 query (not the precise pair)
-    stages, fused, chunk, programs, partials, maxnreg, merge, precise = None, False, None, 2048, False, None, "xla", True
+    # one float16 query (-f) or the precise float16 pair (-x) instead of the head_dim's default
+    stages, fused, chunk, programs, partials, maxnreg, merge, precise = None, False, None, 2048, False, None, "xla", None
     if name.startswith("gluon2-s"):
         kernel = "pipelined"
         head, *options = name.removeprefix("gluon2-s").split("-")
@@ -68,6 +68,8 @@ def formulation(name, loop=0, pages_only=False):
                 merge = "kernel"
             elif option == "f":
                 precise = False
+            elif option == "x":
+                precise = True
     elif name == "gluon":
         kernel = "simple"
     else:

@@ -46,7 +46,8 @@ if ON_GPU and not COMPILED:
     pytest.skip("a GPU without jax_triton: the compiled kernels cannot run", allow_module_level=True)
 TOLERANCE = 2e-3
 VERSIONS = {1: dict(kernel="simple"), 2: dict(kernel="pipelined", fused_windows=False), 3: {},  # 3: the default
-            4: dict(stages=1)}  # no page in flight ahead (shared memory of small GPUs)
+            4: dict(stages=1),  # no page in flight ahead (shared memory of small GPUs)
+            5: dict(precise=True)}  # the query as a float16 pair at every head_dim
 
 
 def gpu_only(*values):
@@ -119,7 +120,7 @@ def test_gluon_kernel_window_policies(rng, sink, recent):
         assert (relative_errors(actual, expected) < TOLERANCE).all(), (pending, relative_errors(actual, expected))
 
 
-@pytest.mark.parametrize("head_dim, version", [(128, 1), (128, 2), (128, 3), (64, 3), (256, 3)])
+@pytest.mark.parametrize("head_dim, version", [(128, 1), (128, 2), (128, 3), (64, 3), (256, 3), (128, 5)])
 def test_gluon_kernel_outlier_channels_and_pending_token(rng, head_dim, version):
     """Keys with a few channels 10x the rest and large per-channel offsets (real-model K)."""
     config = one_loop_config(head_dim, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)

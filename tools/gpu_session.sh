@@ -49,7 +49,7 @@ for stage in "$@"; do
     gluontests) run_stage gluontests 200 python3 -m pytest -q -n 4 --maxfail=5 -p no:cacheprovider tests/test_gluon_decode.py ;;
     formulations) run_stage formulations 200 python3 bench/kernel_formulations.py ;;
     gluonbench) run_stage gluonbench 280 python3 bench/kernel_formulations.py --device-time --shapes 0,1,2,3,4,5 \
-             --names pallas,public,gluon2-s2w,gluon2-s2w-f,gluon2-s2w-m,gluon2-s2w-f-m,gluon2-s2w-p1024-m ;;
+             --names pallas,public,gluon2-s2w,gluon2-s2w-x,gluon2-s2w-m,gluon2-s2w-x-m,gluon2-s2w-p1024-m ;;
     gluonformats) for spec in nvfp4:1 int4_rotated:1 int4:2 int4:4; do
                run_stage "formats-${spec/:/-loop}" 120 python3 bench/kernel_formulations.py --device-time --shapes 0,1 \
                  --value-format "${spec%%:*}" --loops "${spec##*:}" --names pallas,gluon2-s2w,gluon2-s2w-m

@@ -188,7 +188,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            kernel: str = "pipelined", stages: int | None = None, fused_windows: bool = True,
                            chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
-                           merge: str = "xla", precise: bool = True):
+                           merge: str = "xla", precise: bool | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -215,6 +215,9 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     * ``precise`` (pipelined kernel): the query and each page's scaled query
       as float16 pairs (two products each; about 10x less error on keys with
       outlier channels and large per-channel offsets), else one float16 each.
+      None: pairs at head_dim 64, where one float16 exceeded 2e-3 on such keys
+      and the pairs fit the registers; one float16 at 128 and 256 (within
+      2e-3 there; the pairs spill registers, ``bench/KERNEL_NOTES.md``).
     * ``merge``: ``"xla"`` (partials merged by a separate XLA computation) or
       ``"kernel"`` (the last program of each (sequence, KV head) merges them
       and writes the output: one launch for the whole call; pipelined kernel
@@ -249,6 +252,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
             capability=capability, head_dim=head_dim, page_size=page_size, format=loops[0].keys.format,
             value_group=loops[0].values.group_size, streams=min(len(loops), 2), sparse_rows=sparse_rows)
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
+    if precise is None:
+        precise = head_dim <= 64
     outputs = page_partials(
         query, block_tables, bounds, stream["keys"], stream["values"], residual=residual, sparse=sparse,
         sparse_rows=sparse_rows, merge_group=group if in_kernel else None, precise=precise, page_size=page_size,
