@@ -305,7 +305,9 @@ def benchmark_shape(name, sequences, q_heads, kv_heads, tokens, head_dim, args, 
             print_row(results[-1])
             if gluon_reads(queries, caches[0], loops - 1):
                 ms = median_ms(ours(loops - 1, implementation="gluon"), [(queries, c) for c in caches])
-                default = "default" if loops == 1 and value_format == "int4" else "opt-in"
+                from jflashloop.attention import gluon_is_default
+
+                default = "default" if gluon_is_default(queries, caches[0], loops - 1) else "opt-in"
                 results.append(row(name, label + f" (Gluon, {default})", ms, bytes_read, cudnn_ms))
                 print_row(results[-1])
             if loops == 1 and value_format == "int4" and not args.quick:

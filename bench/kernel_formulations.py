@@ -121,9 +121,29 @@ def relative_error(actual, expected):
     return float(np.max(np.linalg.norm(actual - expected, axis=(1, 2)) / np.linalg.norm(expected, axis=(1, 2))))
 
 
+def cuda_runtime():
+    """The CUDA runtime library already loaded by jax's plugin (for cudaProfilerStart/Stop)."""
+    import ctypes
+    import glob
+    import site
+
+    names = ["libcudart.so.12", "libcudart.so.13", "libcudart.so"]
+    for folder in site.getsitepackages():
+        names += sorted(glob.glob(f"{folder}/nvidia/cu*/lib/libcudart.so*"))
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("no CUDA runtime library found")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default=None, help="run these formulations once each, page kernel only (for ncu), and exit")
+    parser.add_argument("--whole", action="store_true",
+                        help="with --profile: whole calls, profiled between cudaProfilerStart and Stop "
+                             "(ncu --profile-from-start off)")
     parser.add_argument("--shape", type=int, default=0)
     parser.add_argument("--shapes", default="0,1")
     parser.add_argument("--names", default="pallas,triton,gluon,gluon2-s2,gluon2-s2w")
@@ -140,6 +160,16 @@ def main() -> int:
         config = bench.make_config(sequences, kv_heads, tokens, 1, head_dim=head_dim)
         cache = bench.random_cache(config, tokens, 0)
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
+        if args.whole:  # every kernel of one whole call each, between cudaProfilerStart/Stop
+            runs = [formulation(profiled, loop=args.loops - 1) for profiled in args.profile.split(",")]
+            for run in runs:  # compiled and warm outside the profiled range
+                jax.block_until_ready(run(queries, cache))
+            runtime = cuda_runtime()
+            for run in runs:
+                runtime.cudaProfilerStart()
+                jax.block_until_ready(run(queries, cache))
+                runtime.cudaProfilerStop()
+            return 0
         for profiled in args.profile.split(","):  # one launch each: ncu --launch-count <number of names>
             jax.block_until_ready(formulation(profiled, pages_only=True)(queries, cache))
         return 0

@@ -253,15 +253,11 @@ def gluon_unsupported_reason(queries, cache: PagedKVCache, loop: int) -> str | N
 def gluon_is_default(queries, cache: PagedKVCache, loop: int) -> bool:
     """Whether the automatic choice on a GPU is the Gluon kernel.
 
-    Where it reads the cache and was measured faster than the Pallas kernel:
-    one INT4 loop (``bench/RESULTS.md``). It also reads NVFP4 streams and
-    two-loop dense chains (tested on the GPU, not yet timed): there it runs
-    only when asked for (``implementation="gluon"``).
+    Wherever it reads the cache: it was measured faster than the Pallas kernel
+    for every fused format (int4, nvfp4, int4_rotated) and for loops 2 and 4
+    of the FlashLoop chain (``bench/RESULTS.md``, device time on an H200).
     """
-    if gluon_unsupported_reason(queries, cache, loop) is not None:
-        return False
-    first = cache.config.loops[0]
-    return loop == 0 and first.key_spec.format == "int4" and first.value_spec.format == "int4"
+    return gluon_unsupported_reason(queries, cache, loop) is None
 
 
 def kernel_inputs_formats(cache: PagedKVCache, loop: int):
@@ -316,10 +312,11 @@ def decode_attention(
     Args:
       queries: ``[max_sequences, q_heads, head_dim]``.
       cache, layer, loop, include_pending, scale: as for the reference.
-      implementation: ``None`` (on a GPU the Gluon kernel for one INT4 loop
-        when ``jax_triton`` is installed, else the Pallas kernel; the reference
-        path elsewhere; see :func:`gluon_is_default`), ``"gluon"`` (the Gluon
-        kernel: INT4 or NVFP4, one loop or a two-loop dense chain; GPU only),
+      implementation: ``None`` (on a GPU the Gluon kernel wherever it reads
+        the cache and ``jax_triton`` is installed, else the Pallas kernel; the
+        reference path elsewhere; see :func:`gluon_is_default`), ``"gluon"``
+        (the Gluon kernel: int4, nvfp4 or int4_rotated streams, loop chains of
+        1-4 with sparse loops; GPU only),
         ``"pallas"`` (the Pallas kernel; interpret mode off GPU, slow, for
         tests), or ``"xla"`` (the reference path).
       kernel_config: ``jflashloop_pallas_kernels.decode_attention.KernelConfig``

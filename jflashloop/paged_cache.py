@@ -673,8 +673,10 @@ def stored_pages(cache: PagedKVCache) -> jax.Array:
     reading a sequence's pages stops at its first such entry, so a page of
     another sequence is never read in its place.
     """
-    present = (cache.block_tables >= 0).astype(jnp.int32)
-    return jnp.sum(jnp.cumprod(present, axis=1), axis=1, dtype=jnp.int32)
+    width = cache.block_tables.shape[1]
+    columns = jnp.arange(width, dtype=jnp.int32)
+    # The first -1 column (one row reduction; a cumulative product is a slow scan on GPUs).
+    return jnp.min(jnp.where(cache.block_tables < 0, columns, width), axis=1).astype(jnp.int32)
 
 
 def window_start(

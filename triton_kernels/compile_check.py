@@ -42,13 +42,15 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
                          value_group: int = 64, sink_tokens: int = 4, ring: int = 64, stages: int = 2,
                          chunk: int | None = None, capability: int = 90, maxnreg: int | None = None,
                          streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = (),
-                         merge: bool = False, precise: bool = True):
+                         merge: bool = False, precise: bool = True, group: int = 8, query: str = "*bf16"):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel.
 
     ``kernel``: ``"pipelined"`` or ``"simple"`` (Gluon, 1 warp) or
     ``"triton"`` (the simple kernel in plain Triton, 4 warps and 2 stages as
     ``decode_attention.page_partials`` launches it); ``merge``: the pipelined
-    kernel merges the splits itself.
+    kernel merges the splits itself; ``group`` and ``query``: the pipelined
+    kernel's query rows per KV head and their pointer type (it scales and
+    pads the caller's queries).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -75,8 +77,8 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
         constants.update(SPARSE=len(sparse), R3=sparse[0] if sparse else 16, R4=sparse[1] if len(sparse) > 1 else 16)
     outputs = OUTPUTS + (MERGE_OUTPUTS if pipelined else [])
     if pipelined:
-        constants.update(MERGE=merge, GROUP=8, PRECISE=precise)
-    types = POINTERS[:3] + stream + windows + scalars + outputs + ["constexpr"] * len(constants)
+        constants.update(MERGE=merge, GROUP=group, PRECISE=precise, QSCALE=0.12753)
+    types = [query if pipelined else POINTERS[0], *POINTERS[1:3]] + stream + windows + scalars + outputs + ["constexpr"] * len(constants)
     signature = dict(zip(fn.arg_names, types, strict=True))
     pointers = [i for i, t in enumerate(types) if t.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}

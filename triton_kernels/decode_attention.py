@@ -74,12 +74,15 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   page_size: int, sink_tokens: int, value_group: int, splits: int, kernel: str = "pipelined",
                   num_warps: int = 1, num_stages: int = 1, stages: int | None = None, windows=None,
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
-                  emulate: bool = False, merge_group: int | None = None, precise: bool = True):
+                  emulate: bool = False, merge_group: int | None = None, precise: bool = True,
+                  query_scale: float | None = None):
     """Run the Gluon page kernel.
 
     Args:
       query: float32 ``[S, H, 8, D]`` (natural channel order), pre-scaled by
-        softmax scale * log2(e).
+        softmax scale * log2(e); with ``query_scale`` (pipelined kernel) the
+        caller's queries ``[S, H, group, D]`` (any float dtype), which the
+        kernel scales by ``query_scale`` and pads itself.
       block_tables, bounds: as for ``paged_decode_attention``.
       keys, values: one loop's stream arrays (``payload`` uint32 ``[H, pool,
         page, D/8]``, ``scale`` / ``minimum`` float16).
@@ -97,7 +100,9 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
     kernel = {"pipelined": gluon_decode.int4_pages_kernel_v2, "simple": gluon_decode.int4_pages_kernel,
               "triton": triton_decode.int4_pages_kernel}[kernel]
 
-    sequences, kv_heads, _, head_dim = query.shape
+    sequences, kv_heads, group, head_dim = query.shape
+    if query_scale is None and (group != ROWS or query.dtype != jnp.float32):
+        raise ValueError(f"a query of {group} rows needs query_scale (the pipelined kernel pads it)")
     pool = keys["payload"].shape[1]
     max_pages = block_tables.shape[1]
     pages_per_split = -(-max_pages // splits)
@@ -139,7 +144,12 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                                  jnp.float32),
             jax.ShapeDtypeStruct((sequences, kv_heads) if merge_group else (1,), jnp.int32),
         ]
-        extra.update(MERGE=merge_group is not None, GROUP=merge_group or 8, PRECISE=precise)
+        if merge_group is not None and merge_group != group:
+            raise ValueError(f"merge_group {merge_group} differs from the query's {group} rows")
+        extra.update(MERGE=merge_group is not None, GROUP=group, PRECISE=precise,
+                     QSCALE=1.0 if query_scale is None else float(query_scale))
+    elif query_scale is not None:
+        raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
         raise ValueError("only the pipelined kernel reads NVFP4 and int4_rotated streams")
     elif residual is not None:
@@ -154,7 +164,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         scalars += [sequences, 0, 0]
         extra.update(RING=16, WINDOWS=False)
     constants = dict(D=head_dim, PAGE=page_size, GV=value_group, SINK=sink_tokens, **extra)
-    zeroed = [len(out_shape) - 1] if merge_group else []  # the merge counters start at zero
+    zeroed = (len(out_shape) - 1,) if merge_group else ()  # the merge counters start at zero (hashable: a jaxpr parameter)
     if emulate:  # the kernel's own body on the CPU (numpy), for tests
         return _emulated_call(kernel, (sequences, kv_heads, slots), arrays, scalars, out_shape, constants)
     return call.triton_call(
@@ -233,11 +243,11 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     if splits is None:
         wanted = -(-target_programs // (sequences * kv_heads))
         splits = max(1, min(wanted, -(-max_pages // min_pages_per_split)))
-    query = queries.astype(jnp.float32) * (scale * LOG2_E)
+    pipelined = kernel == "pipelined"
+    query = queries.astype(jnp.float32) * (scale * LOG2_E)  # the simple kernels and the window partials
     query = query.reshape(sequences, kv_heads, group, head_dim)
     query = jnp.pad(query, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     stream = streams[0]
-    pipelined = kernel == "pipelined"
     fused_windows = fused_windows and pipelined and not pages_only
     windows = None
     if fused_windows:
@@ -254,11 +264,14 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
     if precise is None:
         precise = head_dim <= 64
+    # The pipelined kernel scales and pads the caller's queries itself (no XLA pass before it).
+    kernel_query = queries.reshape(sequences, kv_heads, group, head_dim) if pipelined else query
     outputs = page_partials(
-        query, block_tables, bounds, stream["keys"], stream["values"], residual=residual, sparse=sparse,
+        kernel_query, block_tables, bounds, stream["keys"], stream["values"], residual=residual, sparse=sparse,
         sparse_rows=sparse_rows, merge_group=group if in_kernel else None, precise=precise, page_size=page_size,
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
+        query_scale=scale * LOG2_E if pipelined else None,
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]
     if in_kernel:
@@ -274,5 +287,6 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         output = jnp.concatenate([output, w_out], axis=2)
         total = jnp.concatenate([total, w_sum], axis=2)
         running_max = jnp.concatenate([running_max, w_max], axis=2)
-    merged = pallas_decode.merge_splits(output, total, running_max)  # [S, H, 8, D]
-    return merged[:, :, :group, :].reshape(sequences, q_heads, head_dim)
+    # The group's rows only (the slice fuses into the merge's reductions).
+    merged = pallas_decode.merge_splits(output[:, :, :, :group], total[..., :group], running_max[..., :group])
+    return merged.reshape(sequences, q_heads, head_dim)  # [S, H, group, D] -> [S, q_heads, D]

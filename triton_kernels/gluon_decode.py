@@ -1093,6 +1093,7 @@ def int4_pages_kernel_v2(
     RING: gl.constexpr, WINDOWS: gl.constexpr, CHUNK: gl.constexpr, STREAMS: gl.constexpr,
     FORMAT: gl.constexpr = 0, SPARSE: gl.constexpr = 0, R3: gl.constexpr = 16, R4: gl.constexpr = 16,
     MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
+    QSCALE: gl.constexpr = 1.0,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1111,7 +1112,12 @@ def int4_pages_kernel_v2(
     merges every split's partials and writes the ``GROUP`` output rows of
     its query heads: no separate merge. ``PRECISE`` holds the query and the
     page's scaled query as float16 pairs (two products each): about 10x less
-    error on keys with outlier channels and large per-channel offsets."""
+    error on keys with outlier channels and large per-channel offsets.
+
+    The query ``q_ptr`` here is the caller's ``[S, H * GROUP, D]`` (float32,
+    bfloat16 or float16, natural channel order, not padded): the kernel
+    scales it by ``QSCALE`` (softmax scale * log2(e)) in float32 and pads
+    the group to 8 rows itself."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
     MMA: gl.constexpr = _mma()
@@ -1168,7 +1174,8 @@ def int4_pages_kernel_v2(
     # The query, float16, logical key order, rows 8-15 zero: the A operand.
     q_rows = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
     q_cols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-    query = gl.load(q_ptr + program * (8 * D) + gl.expand_dims(q_rows, 1) * D + gl.expand_dims(q_cols, 0))
+    query = gl.load(q_ptr + program * (GROUP * D) + gl.expand_dims(q_rows, 1) * D + gl.expand_dims(q_cols, 0),
+                    mask=gl.expand_dims(q_rows < GROUP, 1), other=0.0).to(gl.float32) * QSCALE
     # PRECISE: the query, and each page's scaled query, as float16 pairs hi + lo (the rounding
     # remainder in lo), so that the large q . k of offset and outlier key channels keep ~22 bits.
     query_hi = query.to(gl.float16)
