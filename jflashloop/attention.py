@@ -286,6 +286,8 @@ def _gluon_decode_attention(queries, cache, layer, loop, *, include_pending, sca
     options = {}
     if kernel_config is not None:
         options = dict(splits=kernel_config.num_splits, target_programs=kernel_config.target_programs)
+        if kernel_config.products == "float32":  # the most precise products: float16 query pairs
+            options["precise"] = True
     output = paged_decode_attention(
         queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], windows["sink_keys"],
         windows["sink_values"], windows["ring_keys"], windows["ring_values"], loops=inputs["loops"],
@@ -321,7 +323,10 @@ def decode_attention(
         tests), or ``"xla"`` (the reference path).
       kernel_config: ``jflashloop_pallas_kernels.decode_attention.KernelConfig``
         (block sizes, splits, warps); None uses the measured defaults. The
-        Gluon kernel takes its ``num_splits`` and ``target_programs`` only.
+        Gluon kernel takes its ``num_splits`` and ``target_programs``, and
+        reads ``products="float32"`` as a request for its most precise
+        products (the query and scaled query as float16 pairs at every
+        head_dim).
       poison_for_tests: fill the kernel's partial outputs with NaN first, so an
         element it fails to write shows up as NaN.
     Returns:

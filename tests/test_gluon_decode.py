@@ -120,7 +120,12 @@ def test_gluon_kernel_window_policies(rng, sink, recent):
         assert (relative_errors(actual, expected) < TOLERANCE).all(), (pending, relative_errors(actual, expected))
 
 
-@pytest.mark.parametrize("head_dim, version", [(128, 1), (128, 2), (128, 3), (64, 3), (256, 3), (128, 5)])
+# One float16 query on keys with outlier channels: up to 2.84e-3 over 100 random caches at head_dim 128
+# (11 of them above 2e-3), 2.16e-3 at 256; the float16 pairs: at most 2.6e-4 (bench/KERNEL_NOTES.md).
+OUTLIER_TOLERANCE = {"pair": 1e-3, "single": 4e-3}
+
+
+@pytest.mark.parametrize("head_dim, version", [(128, 1), (128, 2), (128, 3), (64, 3), (256, 3), (128, 5), (256, 5)])
 def test_gluon_kernel_outlier_channels_and_pending_token(rng, head_dim, version):
     """Keys with a few channels 10x the rest and large per-channel offsets (real-model K)."""
     config = one_loop_config(head_dim, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
@@ -135,7 +140,9 @@ def test_gluon_kernel_outlier_channels_and_pending_token(rng, head_dim, version)
     queries = jnp.asarray(rng.standard_normal((3, 8, head_dim)), jnp.float32)
     expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=True)
     actual = gluon_attention(queries, cache, 0, include_pending=True, version=version)
-    assert (relative_errors(actual, expected) < TOLERANCE).all()
+    pair = VERSIONS[version].get("precise", VERSIONS[version].get("kernel") != "simple" and head_dim <= 64)
+    errors = relative_errors(actual, expected)
+    assert (errors < OUTLIER_TOLERANCE["pair" if pair else "single"]).all(), errors
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
@@ -189,6 +196,20 @@ def test_gluon_kernel_full_flashloop_chain(rng, page_size):
         expected = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=True)
         actual = gluon_attention(queries, cache, 1, include_pending=True, loop=loop)
         assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not COMPILED, reason="the public Gluon path runs on a GPU with jax_triton")
+def test_public_call_takes_the_pairs_for_float32_products(rng):
+    from jflashloop_pallas_kernels.decode_attention import KernelConfig
+
+    config = one_loop_config(128, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
+    cache, _ = build(rng, config, prompt_lengths=[300, 70], steps=3)
+    queries = jnp.asarray(rng.standard_normal((config.max_sequences, 8, 128)), jnp.float32)
+    public = jflashloop.decode_attention(queries, cache, 0, 0, implementation="gluon",
+                                         kernel_config=KernelConfig(products="float32"))
+    pairs = gluon_attention(queries, cache, 0, include_pending=True, version=5)
+    np.testing.assert_allclose(np.asarray(public), np.asarray(pairs), rtol=1e-6, atol=1e-7)
 
 
 def test_gluon_kernel_reads_only_what_it_supports():
