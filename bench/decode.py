@@ -65,8 +65,8 @@ def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_di
         new_loops = [LoopStorage(nvfp4, nvfp4, s.sparse_rows_per_page) for s in config.loops]
         config = dataclasses.replace(config, loops=tuple(new_loops))
     if value_format == "int4_rotated":
-        keys = jflashloop.codec_spec.int4_rotated(head_dim, 0)
-        values = jflashloop.codec_spec.int4_rotated(head_dim, 1)
+        keys = jflashloop.int4_rotated(head_dim, 0)
+        values = jflashloop.int4_rotated(head_dim, 1)
         new_loops = [LoopStorage(keys, values, s.sparse_rows_per_page) for s in config.loops]
         config = dataclasses.replace(config, loops=tuple(new_loops))
     return config

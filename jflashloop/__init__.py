@@ -1,8 +1,7 @@
 """jflashloop: 4-bit KV-cache codecs and fused decode attention for JAX."""
 
 from . import checked as checked
-from . import codec_spec as codec_spec
-from . import nibbles as nibbles
+from . import codecs as codecs
 from . import paged_cache as paged_cache
 from . import paged_stream as paged_stream
 from . import persistence as persistence
@@ -12,21 +11,21 @@ from .attention import decode_attention_reference as decode_attention_reference
 from .cache_config import CacheConfig as CacheConfig
 from .cache_config import LoopStorage as LoopStorage
 from .cache_config import sparse_loop as sparse_loop
-from .codec_spec import E8_KEYS as E8_KEYS
-from .codec_spec import INT4_GROUP_ROTATED_VALUES as INT4_GROUP_ROTATED_VALUES
-from .codec_spec import INT4_KEYS as INT4_KEYS
-from .codec_spec import INT4_VALUES as INT4_VALUES
-from .codec_spec import NVFP4 as NVFP4
-from .codec_spec import CodecSpec as CodecSpec
-from .codec_spec import int2_lloyd_max as int2_lloyd_max
-from .codec_spec import int4_rotated as int4_rotated
+from .codecs import E8_KEYS as E8_KEYS
+from .codecs import INT4_GROUP_ROTATED_VALUES as INT4_GROUP_ROTATED_VALUES
+from .codecs import INT4_KEYS as INT4_KEYS
+from .codecs import INT4_VALUES as INT4_VALUES
+from .codecs import NVFP4 as NVFP4
+from .codecs import CodecSpec as CodecSpec
+from .codecs import EncodeStatistics as EncodeStatistics
+from .codecs import Packed as Packed
 from .codecs import count_saturations as count_saturations
 from .codecs import decode as decode
 from .codecs import encode as encode
 from .codecs import encode_with_statistics as encode_with_statistics
-from .encode_statistics import EncodeStatistics as EncodeStatistics
-from .nvfp4 import global_scale_from_amax as global_scale_from_amax
-from .packed import Packed as Packed
+from .codecs import global_scale_from_amax as global_scale_from_amax
+from .codecs import int2_lloyd_max as int2_lloyd_max
+from .codecs import int4_rotated as int4_rotated
 from .paged_cache import PagedKVCache as PagedKVCache
 from .residual import Chain as Chain
 from .residual import Residual as Residual
@@ -39,6 +38,17 @@ from .validation import NonFiniteInputError as NonFiniteInputError
 from .validation import SaturationError as SaturationError
 
 __version__ = "0.1.0"
+
+# Module paths that moved: importable for one release, with a DeprecationWarning.
+_DEPRECATED_MODULES = ("codec_spec", "nibbles", "rotated_codecs")
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED_MODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "E8_KEYS",
@@ -58,7 +68,7 @@ __all__ = [
     "Residual",
     "SaturationError",
     "checked",
-    "codec_spec",
+    "codecs",
     "count_saturations",
     "decode",
     "decode_attention",
@@ -72,7 +82,6 @@ __all__ = [
     "global_scale_from_amax",
     "int2_lloyd_max",
     "int4_rotated",
-    "nibbles",
     "paged_cache",
     "paged_stream",
     "persistence",

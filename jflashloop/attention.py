@@ -205,7 +205,7 @@ def rotated_inputs(queries, cache: PagedKVCache, loop: int, inputs: dict):
     windows = {name: inputs[name] for name in ("sink_keys", "sink_values", "ring_keys", "ring_values")}
     window_loop = inputs["window_loop"]
     if key_seed is not None or value_seed is not None:  # rotate this loop's windows into the streams' basis
-        from .rotated_codecs import rotate
+        from .codecs import rotate
 
         window_loop = 0
         for name, seed in (("sink_keys", key_seed), ("ring_keys", key_seed),
@@ -223,7 +223,7 @@ def unrotated_output(output, value_seed):
     """The kernel's output back in the natural basis: ``sum_t p_t R v_t = R (sum_t p_t v_t)``."""
     if value_seed is None:
         return output
-    from .rotated_codecs import unrotate
+    from .codecs import unrotate
 
     return unrotate(output, value_seed)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .codec_spec import INT4_KEYS, INT4_VALUES, CodecSpec
+from .codecs import INT4_KEYS, INT4_VALUES, CodecSpec
 
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 INT32_MAX = 2**31 - 1

@@ -30,9 +30,9 @@ import functools
 import jax
 import numpy as np
 
-from . import codecs, paged_cache, residual
-from .codec_spec import CodecSpec
-from .packed import Packed
+from . import paged_cache, residual
+from .codecs import CodecSpec, Packed
+from .codecs import _api as codecs
 from .paged_cache import PagedKVCache
 from .validation import SaturationError, require_concrete, require_finite
 

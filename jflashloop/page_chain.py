@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from .cache_config import CacheConfig
-from .codec_spec import CodecSpec
+from .codecs import CodecSpec
+from .codecs._rotated import int4_rotated_input
 from .paged_stream import (
     PagedStream,
     can_encode_page_pairs,
@@ -32,7 +33,6 @@ from .paged_stream import (
     encode_page_pairs,
     encode_tiles,
 )
-from .rotated_codecs import int4_rotated_input
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,7 @@ def input_saturations(rows: jax.Array, spec: CodecSpec) -> jax.Array:
     """int32 ``[pages]``: elements of ``rows`` ``[pages, rows, kv_heads, head_dim]``
     that ``spec``'s input rule stores at its limit, unseen in the stored metadata.
 
-    ``int4_rotated`` (:func:`~jflashloop.rotated_codecs.int4_rotated_input`):
+    ``int4_rotated`` (:func:`~jflashloop.codecs._rotated.int4_rotated_input`):
     values beyond +-2**64, and non-finite ones (a residual that overflowed
     float32). The other formats count from their stored metadata instead
     (``paged_cache``), so they give 0 here.

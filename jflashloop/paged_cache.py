@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache_config import CacheConfig
-from .numerics import FLOAT16_MAX, cast_saturating, flush_subnormals
+from .codecs._floats import FLOAT16_MAX, cast_saturating, flush_subnormals
 from .page_chain import LoopTiles, pack_pages_with_saturations, unpack_pages
 from .paged_stream import PagedStream, empty_stream
 from .validation import (

@@ -26,10 +26,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import numerics
-from .codec_spec import CodecSpec
-from .codecs import decode, encode
-from .packed import Packed
+from .codecs import CodecSpec, Packed, decode, encode
+from .ops import _dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +142,7 @@ def encode_tiles(x: jax.Array, spec: CodecSpec, implementation: str | None = Non
     _, rows, _, head_dim = x.shape
     if head_dim % 8:
         raise ValueError(f"paged streams need head_dim divisible by 8, got {head_dim}")
-    implementation = numerics.resolve_implementation(implementation)
+    implementation = _dispatch.resolve(implementation).backend
     if implementation == "pallas" and spec.format in ("int4", "nvfp4") and _kernel_can_encode(rows, head_dim):
         return _encode_tiles_with_kernel(x, spec)
     tiles = jnp.transpose(x, (2, 0, 1, 3))[:, :, :, None, :]  # [heads, pages, rows, 1, D]
@@ -173,7 +171,7 @@ def can_encode_page_pairs(
 ) -> bool:
     """Whether :func:`encode_page_pairs` takes the one-kernel path for these streams."""
     return (
-        numerics.resolve_implementation(implementation) == "pallas"
+        _dispatch.resolve(implementation).backend == "pallas"
         and key_spec.format in ("int4", "nvfp4")
         and value_spec.format in ("int4", "nvfp4")
         and _kernel_can_encode(rows, head_dim)

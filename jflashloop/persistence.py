@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache_config import CacheConfig, LoopStorage
-from .codec_spec import CodecSpec
+from .codecs import CodecSpec
 from .paged_cache import (
     LayerPool,
     PagedKVCache,

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import paged_cache, storage
 from .cache_config import CacheConfig, LoopStorage
-from .codec_spec import (
+from .codecs import (
     E8_KEYS,
     INT4_GROUP_ROTATED_VALUES,
     INT4_KEYS,

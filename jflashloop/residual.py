@@ -28,9 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .codec_spec import CodecSpec
-from .codecs import decode, encode
-from .packed import Packed
+from .codecs import CodecSpec, Packed, decode, encode
 from .validation import check_float_array, is_concrete
 
 

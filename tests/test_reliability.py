@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 import jflashloop
-from jflashloop import checked, paged_cache, persistence
+from jflashloop import Packed, checked, paged_cache, persistence
 from jflashloop.cache_config import CacheConfig, LoopStorage
-from jflashloop.packed import Packed
 from jflashloop.validation import CacheStateError, NonFiniteInputError, SaturationError
 
 CONFIG = CacheConfig(
