@@ -146,7 +146,7 @@ def test_bad_rotated_specs(kwargs, message):
 
 
 def _rotated_config(key_spec, value_spec):
-    from jflashloop.cache_config import LoopStorage
+    from jflashloop import LoopStorage
     from tests.test_paged_cache import small_config
 
     base = small_config(head_dim=64, num_loops=3)
@@ -170,38 +170,6 @@ def test_rotated_formats_in_the_cache_match_the_oracle(rng, key_spec, value_spec
     # 40 + 9 tokens cross the 48-token page boundary while appending.
     cache, history = build(rng, config, prompt_lengths=[40, 19], steps=9)
     assert_matches_oracle(cache, history.keys, history.values, layers=[1], loops=[0, 2])
-
-
-def test_int4_rotated_fused_kernel_matches_reference(rng):
-    from jflashloop.attention import decode_attention
-    from tests.test_paged_cache import build
-
-    config = _rotated_config(jflashloop.int4_rotated(64, 1), jflashloop.int4_rotated(64, 2))
-    cache, _ = build(rng, config, prompt_lengths=[70, 23, 64], steps=2)
-    queries = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
-    from jflashloop_pallas_kernels.decode_attention import KernelConfig
-
-    # float32 products in interpret mode (exact), the default float16 on GPU.
-    products, tolerance = ("float16", 2e-3) if ON_GPU else ("float32", 1e-5)
-    for loop in range(3):
-        expected = jflashloop.decode_attention_reference(queries, cache, 0, loop)
-        actual = decode_attention(queries, cache, 0, loop, implementation="pallas", poison_for_tests=True,
-                                  kernel_config=KernelConfig(products=products, num_splits=2))
-        error = np.linalg.norm(np.asarray(actual - expected), axis=(1, 2)) / np.linalg.norm(np.asarray(expected), axis=(1, 2))
-        assert (error < tolerance).all(), (loop, error)
-
-
-def test_formats_without_a_fused_kernel_fall_back(rng):
-    from jflashloop.attention import decode_attention
-    from tests.test_paged_cache import build
-
-    config = _rotated_config(jflashloop.E8_KEYS, jflashloop.INT4_GROUP_ROTATED_VALUES)
-    cache, _ = build(rng, config, prompt_lengths=[30], steps=0)
-    queries = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
-    with pytest.raises(NotImplementedError, match="e8"):
-        decode_attention(queries, cache, 0, 0, implementation="pallas")
-    automatic = decode_attention(queries, cache, 0, 0)  # falls back to the reference path
-    assert_bits_equal(automatic, jflashloop.decode_attention_reference(queries, cache, 0, 0), "fallback")
 
 
 # --------------------------------------------------------------------------- int4_rotated edge values
@@ -246,8 +214,7 @@ def test_int4_rotated_saturates_and_counts_edge_values(dim, implementation):
 
 
 def test_int4_rotated_cache_saturates_and_counts_huge_values(rng):
-    from jflashloop import paged_cache
-    from jflashloop.cache_config import CacheConfig, LoopStorage
+    from jflashloop import CacheConfig, LoopStorage, paged_cache
 
     spec = jflashloop.int4_rotated(16, 3)
     config = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,

@@ -39,7 +39,7 @@ _ROTATED_DECODERS = {
 }
 
 
-def _check_input(x, spec, name: str = "x") -> None:
+def check_input(x, spec, name: str = "x") -> None:
     if not isinstance(spec, CodecSpec):
         raise TypeError(f"spec must be a CodecSpec, got {type(spec).__name__}")
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -60,7 +60,7 @@ def _as_float32(global_scale) -> np.ndarray:
         return np.asarray(global_scale).astype(np.float32)
 
 
-def _check_global_scale(global_scale, spec: CodecSpec) -> None:
+def check_global_scale(global_scale, spec: CodecSpec) -> None:
     if global_scale is None:
         return
     if spec.format != "nvfp4":
@@ -86,14 +86,14 @@ STATISTICS_FORMATS = ("int4", "nvfp4", "int4_rotated")
 
 def _checked_arguments(x, spec, global_scale, implementation, *, statistics: bool = False):
     """Every argument check of :func:`encode` (and the statistics), then the resolved implementation."""
-    _check_input(x, spec)
+    check_input(x, spec)
     if statistics:
         if spec.format not in STATISTICS_FORMATS:
             raise ValueError(
                 f"encode statistics are defined for the formats {STATISTICS_FORMATS}, got {spec.format!r}"
             )
         spec.check_shape(tuple(x.shape))
-    _check_global_scale(global_scale, spec)
+    check_global_scale(global_scale, spec)
     return _dispatch.resolve(implementation)
 
 

@@ -13,6 +13,7 @@ The public functions are re-exported by :mod:`jflashloop`
 (``jflashloop.decode_attention``, ...); the modules here are internal.
 """
 
+from . import arg_specs as arg_specs
 from ._dispatch import Implementation as Implementation
 
-__all__ = ["Implementation"]
+__all__ = ["Implementation", "arg_specs"]

@@ -109,10 +109,21 @@ def call(
         chosen = resolve(implementation, choices=choices, interpret=interpret)
         return backends[chosen.backend](chosen)
     order = tuple(automatic) if automatic is not None else (resolve(None, choices=choices).backend,)
-    for position, name in enumerate(order):
+    return first_supported(*(
+        lambda name=name: backends[name](resolve(name, choices=choices, interpret=interpret)) for name in order
+    ))
+
+
+def first_supported(*attempts: Callable[[], T]) -> T:
+    """The result of the first attempt that does not raise ``NotImplementedError``.
+
+    The last attempt's ``NotImplementedError`` reaches the caller.
+    """
+    if not attempts:
+        raise ValueError("first_supported needs at least one attempt")
+    for attempt in attempts[:-1]:
         try:
-            return backends[name](resolve(name, choices=choices, interpret=interpret))
+            return attempt()
         except NotImplementedError:
-            if position == len(order) - 1:
-                raise
-    raise ValueError("an op needs at least one automatic backend")
+            continue
+    return attempts[-1]()
