@@ -31,25 +31,17 @@ import jax
 import jax.numpy as jnp
 
 import jflashloop
-from jflashloop import paged_cache, storage
-from jflashloop.cache_config import CacheConfig, LoopStorage
-from jflashloop.page_chain import LoopTiles, pack_pages, unpack_pages
+from jflashloop import CacheConfig, LoopStorage, paged_cache, storage
+from jflashloop.cache._pages import pack_pages, unpack_pages
+from jflashloop.ops import arg_specs
+from jflashloop.paged_cache import LoopTiles
 from jflashloop_pallas_kernels.decode_attention import KernelConfig
 
 L2_BYTES = 60 * 2**20
 
 HEAD_DIM = 128
-SHAPES = [
-    # name, sequences, q_heads, kv_heads, tokens, head_dim
-    ("B8 Hq32 Hkv8 T4K", 8, 32, 8, 4096, HEAD_DIM),
-    ("B8 Hq32 Hkv8 T32K", 8, 32, 8, 32768, HEAD_DIM),
-    ("B8 Hq32 Hkv8 T128K", 8, 32, 8, 131072, HEAD_DIM),
-    ("B1 Hq16 Hkv16 T8K", 1, 16, 16, 8192, HEAD_DIM),
-    ("B1 Hq16 Hkv16 T64K", 1, 16, 16, 65536, HEAD_DIM),
-    ("B16 Hq16 Hkv16 T8K", 16, 16, 16, 8192, HEAD_DIM),
-    ("B8 Hq9 Hkv3 T32K D64", 8, 9, 3, 32768, 64),  # SmolLM2-like: head_dim 64, GQA 3
-    ("B8 Hq8 Hkv1 T32K D256", 8, 8, 1, 32768, 256),  # one KV head of 256 channels
-]
+# name, sequences, q_heads, kv_heads, tokens, head_dim (jflashloop/ops/arg_specs.py)
+SHAPES = list(arg_specs.DECODE_SHAPES)
 
 
 def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_dim=HEAD_DIM):
@@ -65,8 +57,8 @@ def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_di
         new_loops = [LoopStorage(nvfp4, nvfp4, s.sparse_rows_per_page) for s in config.loops]
         config = dataclasses.replace(config, loops=tuple(new_loops))
     if value_format == "int4_rotated":
-        keys = jflashloop.codec_spec.int4_rotated(head_dim, 0)
-        values = jflashloop.codec_spec.int4_rotated(head_dim, 1)
+        keys = jflashloop.int4_rotated(head_dim, 0)
+        values = jflashloop.int4_rotated(head_dim, 1)
         new_loops = [LoopStorage(keys, values, s.sparse_rows_per_page) for s in config.loops]
         config = dataclasses.replace(config, loops=tuple(new_loops))
     return config
@@ -134,7 +126,7 @@ def kernel_bytes(config: CacheConfig, tokens: int, loop: int) -> int:
     packed_end = min(visible - config.recent_tokens, (tokens // config.page_size) * config.page_size)
     packed_pages = math.ceil(packed_end / config.page_size)
     per_page = storage.page_bytes(config)
-    pages = packed_pages * sum(per_page[f"loop{i + 1}"] for i in range(loop + 1))
+    pages = packed_pages * sum(per_page.loops[: loop + 1])
     windows = (config.sink_tokens + config.window_tokens) * config.num_kv_heads * config.head_dim * 2 * 2
     tables = packed_pages * 4
     return config.max_sequences * (pages + windows + tables)
@@ -240,7 +232,7 @@ def ours(loop, kernel_config=None, implementation="pallas"):
 
 
 def gluon_reads(queries, cache, loop) -> bool:
-    from jflashloop.attention import gluon_unsupported_reason
+    from jflashloop.ops._decode_attention import gluon_unsupported_reason
 
     return gluon_unsupported_reason(queries, cache, loop) is None
 
@@ -305,9 +297,9 @@ def benchmark_shape(name, sequences, q_heads, kv_heads, tokens, head_dim, args, 
             print_row(results[-1])
             if gluon_reads(queries, caches[0], loops - 1):
                 ms = median_ms(ours(loops - 1, implementation="gluon"), [(queries, c) for c in caches])
-                from jflashloop.attention import gluon_is_default
+                from jflashloop.ops._decode_attention import gluon_is_default
 
-                default = "default" if gluon_is_default(queries, caches[0], loops - 1) else "opt-in"
+                default = "default" if gluon_is_default(caches[0].config, loops - 1) else "opt-in"
                 results.append(row(name, label + f" (Gluon, {default})", ms, bytes_read, cudnn_ms))
                 print_row(results[-1])
             if loops == 1 and value_format == "int4" and not args.quick:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflashloop
-from jflashloop.attention import kernel_inputs, rotated_inputs, unrotated_output
+from jflashloop.ops._decode_attention import kernel_inputs, rotated_inputs, unrotated_output
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import decode as bench

@@ -38,8 +38,7 @@ def main() -> None:
             num_processes=int(os.environ["JFLASHLOOP_PROCESS_COUNT"]),
             process_id=int(os.environ["JFLASHLOOP_PROCESS_ID"]),
         )
-    from jflashloop import paged_cache, sharding
-    from jflashloop.cache_config import CacheConfig
+    from jflashloop import CacheConfig, paged_cache, sharding
 
     auto = (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Auto)
     mesh = jax.make_mesh((args.data, args.model), ("data", "model"), axis_types=auto)

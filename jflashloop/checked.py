@@ -7,9 +7,9 @@ values beyond a format's range are stored by a documented rule and counted
 functions here take the same arguments, run outside ``jit`` (they need
 concrete arrays), and raise instead:
 
-* :class:`~jflashloop.validation.NonFiniteInputError` (a ``ValueError``) for
+* :class:`~jflashloop.NonFiniteInputError` (a ``ValueError``) for
   any NaN or +-inf in the data that would be stored;
-* :class:`~jflashloop.validation.SaturationError` (a ``ValueError``) when a
+* :class:`~jflashloop.SaturationError` (a ``ValueError``) when a
   value would be stored beyond its format's range, unless
   ``allow_saturation=True``;
 * ``ValueError`` / ``IndexError`` for every condition the cache would only
@@ -30,11 +30,12 @@ import functools
 import jax
 import numpy as np
 
-from . import codecs, paged_cache, residual
-from .codec_spec import CodecSpec
-from .packed import Packed
+from . import _chains, paged_cache
+from ._errors import SaturationError
+from ._validation import require_concrete, require_finite
+from .codecs import CodecSpec, Packed
+from .codecs import _api as codecs
 from .paged_cache import PagedKVCache
-from .validation import SaturationError, require_concrete, require_finite
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "implementation"))
@@ -80,8 +81,8 @@ def encode(
       SaturationError: some element would be stored saturated.
     """
     require_concrete("checked.encode", x=x, global_scale=global_scale)
-    codecs._check_input(x, spec)
-    codecs._check_global_scale(global_scale, spec)
+    codecs.check_input(x, spec)
+    codecs.check_global_scale(global_scale, spec)
     require_finite("x", x)
     packed, statistics = _encode_with_statistics(x, global_scale, spec, implementation)
     _raise_on_statistics("x", statistics, spec, allow_saturation)
@@ -96,7 +97,7 @@ def encode_residual(
     *,
     implementation: str | None = None,
     allow_saturation: bool = False,
-) -> residual.Residual:
+) -> _chains.Residual:
     """:func:`jflashloop.encode_residual` that rejects non-finite and saturating input.
 
     Raises:
@@ -106,8 +107,8 @@ def encode_residual(
     require_concrete("checked.encode_residual", target=target, predecessor=predecessor, positions=positions)
     require_finite("target", target)
     require_finite("predecessor", predecessor)
-    encoded = residual.encode_residual(target, predecessor, spec, positions, implementation=implementation)
-    rows, _ = residual.residual_rows(target, predecessor, encoded.positions)
+    encoded = _chains.encode_residual(target, predecessor, spec, positions, implementation=implementation)
+    rows, _ = _chains.residual_rows(target, predecessor, encoded.positions)
     statistics = codecs.count_saturations(rows, spec, implementation=implementation)
     _raise_on_statistics("target - predecessor", statistics, spec, allow_saturation)
     return encoded

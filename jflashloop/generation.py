@@ -14,8 +14,7 @@ import functools
 
 import jax
 
-from . import paged_cache
-from .attention import decode_attention
+from . import decode_attention, paged_cache
 from .paged_cache import PagedKVCache
 
 

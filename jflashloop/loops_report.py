@@ -44,14 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import paged_cache, storage
-from .cache_config import CacheConfig
+from . import CacheConfig, decode_loop, encode_chain, paged_cache, storage
 from .generation import looped_paged_attention_hook
 from .models import ouro
 from .models.checkpoint import Checkpoint, load_checkpoint
 from .models.stdlib_text import HELD_OUT_EVERY, default_root, load_corpus
 from .paged_cache import PagedKVCache
-from .residual import decode_chain, encode_chain
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "models" / "data" / "ouro_tiny.npz"
 PAGE_SIZE = 64
@@ -181,7 +179,7 @@ def storage_summary(config: CacheConfig, context_tokens: int) -> dict[str, Any]:
       (markdown from :func:`jflashloop.storage.storage_table`).
     """
     bf16 = storage.unquantized_bytes_per_token(config) * config.num_layers
-    page_total = storage.page_bytes(config)["total"]
+    page_total = storage.page_bytes(config).total
     shape = storage.ModelShape("Ouro tiny", config.num_layers, config.num_kv_heads,
                                config.head_dim, config.num_loops)
     table = storage.storage_table(shape, context_tokens, page_size=config.page_size,
@@ -653,7 +651,7 @@ def _chain_reconstructions(streams, positions, *, base_spec, residual_specs, clo
     def one_stream(loops, stream_positions):
         chain = encode_chain(list(loops), base_spec, residual_specs, list(stream_positions),
                              closed_loop=closed_loop)
-        return jnp.stack([decode_chain(chain, loop) for loop in range(1, len(loops) + 1)])
+        return jnp.stack([decode_loop(chain, loop) for loop in range(len(loops))])
 
     return jax.vmap(one_stream)(streams, positions)
 

@@ -24,9 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import paged_cache, storage
-from .cache_config import CacheConfig, LoopStorage
-from .codec_spec import (
+from . import CacheConfig, LoopStorage, paged_cache, storage
+from .codecs import (
     E8_KEYS,
     INT4_GROUP_ROTATED_VALUES,
     INT4_KEYS,

@@ -35,8 +35,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import paged_cache
-from .attention import decode_attention
-from .cache_config import CacheConfig
+from .cache._config import CacheConfig
+from .ops._decode_attention import decode_attention
 from .paged_cache import PagedKVCache
 
 

@@ -1,146 +1,37 @@
-"""Exact storage accounting for a paged cross-loop cache, and capacity planning."""
+"""Byte accounting of the paged cache (exact) and capacity planning: ``jflashloop.storage``.
 
-from __future__ import annotations
+Re-exported from ``jflashloop/cache/_storage.py``. Loops are indexed from 0:
+``page_bytes(config).loops[0]`` is the base.
+"""
 
-import dataclasses
-import math
+from .cache._storage import OURO_1_4B as OURO_1_4B
+from .cache._storage import OURO_2_6B as OURO_2_6B
+from .cache._storage import ModelShape as ModelShape
+from .cache._storage import PageBytes as PageBytes
+from .cache._storage import bytes_per_token as bytes_per_token
+from .cache._storage import config_for as config_for
+from .cache._storage import describe_windows as describe_windows
+from .cache._storage import head_token_bytes as head_token_bytes
+from .cache._storage import page_bytes as page_bytes
+from .cache._storage import sequence_bytes as sequence_bytes
+from .cache._storage import storage_table as storage_table
+from .cache._storage import tokens_that_fit as tokens_that_fit
+from .cache._storage import unquantized_bytes_per_token as unquantized_bytes_per_token
+from .cache._storage import window_bytes_per_sequence as window_bytes_per_sequence
 
-import jax.numpy as jnp
-
-from .cache_config import CacheConfig, LoopStorage
-
-
-def _stream_tile_bytes(spec, rows: int, head_dim: int) -> int:
-    """Bytes of one (page, head) tile: payload + metadata (+ NVFP4 tile scale)."""
-    return spec.nbytes((rows, 1, head_dim))
-
-
-def page_bytes(config: CacheConfig) -> dict[str, int]:
-    """Bytes one full page occupies in one layer (all KV heads), per loop and total.
-
-    Keys: ``"loop1"``, ``"loop2"``, ... and ``"total"``. A sparse loop counts its
-    compact rows and its int8 row positions (shared by K and V).
-    """
-    result = {}
-    for index, storage in enumerate(config.loops):
-        rows = config.rows(index)
-        per_head = _stream_tile_bytes(storage.key_spec, rows, config.head_dim)
-        per_head += _stream_tile_bytes(storage.value_spec, rows, config.head_dim)
-        if storage.is_sparse:
-            per_head += rows  # int8 row positions
-        result[f"loop{index + 1}"] = per_head * config.num_kv_heads
-    result["total"] = sum(result.values())
-    return result
-
-
-def head_token_bytes(key_spec, value_spec, head_dim: int) -> int:
-    """Bytes one token of one KV head occupies with ``key_spec`` K and ``value_spec`` V."""
-    shape = (1, 1, head_dim)
-    return key_spec.nbytes(shape) + value_spec.nbytes(shape)
-
-
-def bytes_per_token(config: CacheConfig) -> float:
-    """Bytes per token per layer in full pages (all loops, K and V, all KV heads)."""
-    return page_bytes(config)["total"] / config.page_size
-
-
-def unquantized_bytes_per_token(config: CacheConfig, dtype=jnp.bfloat16) -> int:
-    """Bytes per token per layer if every loop's K and V were stored in ``dtype``."""
-    return config.num_loops * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
-
-
-def window_bytes_per_sequence(config: CacheConfig) -> int:
-    """Per layer and sequence: the sink and the ring of recent/unfilled tokens."""
-    tokens = config.sink_tokens + config.window_tokens
-    itemsize = jnp.dtype(config.window_dtype).itemsize
-    return tokens * config.num_loops * 2 * config.num_kv_heads * config.head_dim * itemsize
-
-
-def sequence_bytes(config: CacheConfig, tokens: int) -> int:
-    """Exact bytes one sequence of ``tokens`` tokens holds, over all layers."""
-    pages = tokens // config.page_size
-    per_layer = pages * page_bytes(config)["total"] + window_bytes_per_sequence(config)
-    return config.num_layers * per_layer
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """The KV-relevant shape of a model."""
-
-    name: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_loops: int
-
-
-OURO_1_4B = ModelShape("Ouro-1.4B", num_layers=24, num_kv_heads=16, head_dim=128, num_loops=4)
-OURO_2_6B = ModelShape("Ouro-2.6B", num_layers=48, num_kv_heads=16, head_dim=128, num_loops=4)
-
-
-def config_for(model: ModelShape, **overrides) -> CacheConfig:
-    """FlashLoop-default :class:`CacheConfig` for ``model`` (pool sizes are placeholders)."""
-    arguments = dict(
-        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-        num_pages=1, max_sequences=1, max_pages_per_sequence=1, num_loops=model.num_loops,
-    )
-    arguments.update(overrides)
-    return CacheConfig.flashloop(**arguments)
-
-
-def tokens_that_fit(config: CacheConfig, gibibytes: float, sequences: int = 1) -> int:
-    """Tokens (summed over ``sequences`` sequences) whose cache fits in ``gibibytes``.
-
-    Counts whole pages plus each sequence's fixed windows, over all layers.
-    """
-    budget = gibibytes * 2**30 - sequences * config.num_layers * window_bytes_per_sequence(config)
-    if budget <= 0:
-        return 0
-    pages = int(budget // (config.num_layers * page_bytes(config)["total"]))
-    return pages * config.page_size
-
-
-def storage_table(model: ModelShape, context_tokens: int = 32768, **overrides) -> str:
-    """A markdown table: bytes per token for ``model`` in BF16 vs the default cache."""
-    config = config_for(model, **overrides)
-    bf16 = unquantized_bytes_per_token(config) * config.num_layers
-    pages = page_bytes(config)
-    lines = [
-        f"| {model.name}, {model.num_loops} loops, all {model.num_layers} layers | bytes/token | vs BF16 |",
-        "|---|---|---|",
-        f"| BF16, every loop | {bf16:,.0f} | 1.00x |",
-    ]
-    for index, storage in enumerate(config.loops):
-        per_token = pages[f"loop{index + 1}"] / config.page_size * config.num_layers
-        kind = _describe(storage, config.page_size)
-        lines.append(f"| loop {index + 1}: {kind} | {per_token:,.1f} | |")
-    full = bytes_per_token(config) * config.num_layers
-    lines.append(f"| **jflashloop, full pages** | **{full:,.1f}** | **{bf16 / full:.2f}x** |")
-    with_windows = sequence_bytes(config, context_tokens) / context_tokens
-    lines.append(
-        f"| jflashloop incl. windows at {context_tokens:,} tokens | {with_windows:,.1f} | "
-        f"{bf16 / with_windows:.2f}x |"
-    )
-    return "\n".join(lines)
-
-
-def _describe(storage: LoopStorage, page_size: int) -> str:
-    def spec_name(spec):
-        return f"{spec.format.upper()} {spec.axis} G{spec.group_size}"
-
-    what = f"K {spec_name(storage.key_spec)}, V {spec_name(storage.value_spec)}"
-    if storage.is_sparse:
-        share = storage.sparse_rows_per_page / page_size
-        return f"sparse residual {storage.sparse_rows_per_page}/{page_size} rows ({share:.1%}), {what}"
-    return what
-
-
-def describe_windows(config: CacheConfig) -> str:
-    """One line on what the unquantized windows cost per sequence."""
-    per_sequence = window_bytes_per_sequence(config) * config.num_layers
-    equivalent = per_sequence / (bytes_per_token(config) * config.num_layers)
-    return (
-        f"windows: {config.sink_tokens} sink + {config.window_tokens} ring tokens x {config.num_loops} loops "
-        f"in {config.window_dtype} = {per_sequence / 2**20:.2f} MiB per sequence "
-        f"(as much as {math.ceil(equivalent):,} packed tokens)"
-    )
+__all__ = [
+    "OURO_1_4B",
+    "OURO_2_6B",
+    "ModelShape",
+    "PageBytes",
+    "bytes_per_token",
+    "config_for",
+    "describe_windows",
+    "head_token_bytes",
+    "page_bytes",
+    "sequence_bytes",
+    "storage_table",
+    "tokens_that_fit",
+    "unquantized_bytes_per_token",
+    "window_bytes_per_sequence",
+]

@@ -712,7 +712,7 @@ def paged_decode_attention(
         "row_positions": int8 [kv_heads, pages, rows] or None}`` where ``S`` is
         ``{"payload": uint32 [kv_heads, pages, rows, D/8], "scale", "minimum",
         "global_scale"}`` (absent entries None), laid out as
-        :mod:`jflashloop.paged_stream` stores them.
+        ``jflashloop.paged_cache.PagedStream`` stores them.
       sink_keys, sink_values: ``[window_loops, sequences, kv_heads, sink_tokens,
         head_dim]`` unquantized first tokens, or None when ``sink_tokens == 0``.
       ring_keys, ring_values: ``[window_loops, sequences, kv_heads, ring,

@@ -21,7 +21,7 @@ from .exact_division import divide_rn
 
 FLOAT16_MAX = 65504.0
 FLOAT32_MIN_NORMAL = 2.0**-126
-MINIMUM_SPAN = 2.0**-121  # INT4 groups with a smaller span get scale 1 (jflashloop.int4)
+MINIMUM_SPAN = 2.0**-121  # INT4 groups with a smaller span get scale 1 (jflashloop/codecs/_int4.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflashloop
-from jflashloop import paged_cache, sharding
-from jflashloop.cache_config import CacheConfig
+from jflashloop import CacheConfig, paged_cache, sharding
 
 AUTO = (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Auto)
 COLLECTIVES = re.compile(r"all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter")

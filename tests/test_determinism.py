@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflashloop
-from jflashloop import paged_cache
-from jflashloop.cache_config import CacheConfig, LoopStorage
+from jflashloop import CacheConfig, LoopStorage, paged_cache
 from tests.bits import raw_bits
 
 ON_GPU = jax.default_backend() == "gpu"

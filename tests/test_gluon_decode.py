@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 import jflashloop
-from jflashloop.attention import (
+from jflashloop import LoopStorage
+from jflashloop.ops._decode_attention import (
     kernel_inputs,
-    kernel_inputs_formats,
+    loop_formats,
     rotated_inputs,
     unrotated_output,
 )
-from jflashloop.cache_config import LoopStorage
 from tests.test_paged_cache import build, small_config
 
 pytest.importorskip("triton.experimental.gluon")
@@ -147,7 +147,7 @@ def test_gluon_kernel_outlier_channels_and_pending_token(rng, head_dim, version)
 
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_gluon_kernel_dense_residual_chain(rng, page_size):
-    """Loop 2 of the FlashLoop policy: the base and a dense residual, both INT4."""
+    """Loop 1 of the FlashLoop policy: the base and a dense residual, both INT4."""
     config = small_config(num_loops=2, page_size=page_size, head_dim=64, max_pages_per_sequence=40, num_pages=128)
     cache, _ = build(rng, config, prompt_lengths=[5 * page_size + 9, 3, 2 * page_size], steps=2)
     queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
@@ -188,7 +188,7 @@ def test_gluon_kernel_int4_rotated(rng, head_dim, loops):
 
 @pytest.mark.parametrize("page_size", [64, *gpu_only(16)])
 def test_gluon_kernel_full_flashloop_chain(rng, page_size):
-    """Loops 3 and 4 of the FlashLoop policy: sparse residual rows (25% and 10% of each page)."""
+    """Loops 2 and 3 of the FlashLoop policy: sparse residual rows (25% and 10% of each page)."""
     config = small_config(num_loops=4, page_size=page_size, head_dim=64, max_pages_per_sequence=40, num_pages=128)
     cache, _ = build(rng, config, prompt_lengths=[5 * page_size + 9, 3, 2 * page_size], steps=2)
     queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
@@ -217,7 +217,7 @@ def test_gluon_kernel_reads_only_what_it_supports():
 
     chain = small_config(num_loops=4, page_size=64, head_dim=128)
     cache = jflashloop.paged_cache.create(chain)
-    formats = kernel_inputs_formats(cache, 3)
+    formats = loop_formats(cache.config, 3)
     assert unsupported_reason(formats, chain.head_dim, 64, 4) is None
     assert unsupported_reason(formats[:2], chain.head_dim, 64, 4) is None
     assert "after two dense" in unsupported_reason(formats[:1] + formats[2:3], chain.head_dim, 64, 4)

@@ -22,8 +22,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import jflashloop
-from jflashloop import paged_cache, persistence
-from jflashloop.cache_config import CacheConfig, LoopStorage
+from jflashloop import CacheConfig, LoopStorage, paged_cache, persistence
 from jflashloop.persistence import PersistenceError
 from tests.bits import assert_bits_equal
 

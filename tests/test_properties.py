@@ -19,8 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import jflashloop
 import jflashloop_reference as reference
-from jflashloop import paged_cache, persistence
-from jflashloop.cache_config import CacheConfig, LoopStorage
+from jflashloop import CacheConfig, LoopStorage, paged_cache, persistence
 from jflashloop.codecs import encode_with_statistics
 from tests.bits import assert_bits_equal
 from tests.test_paged_cache import History, oracle_sequence

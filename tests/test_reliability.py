@@ -19,10 +19,17 @@ import numpy as np
 import pytest
 
 import jflashloop
-from jflashloop import checked, paged_cache, persistence
-from jflashloop.cache_config import CacheConfig, LoopStorage
-from jflashloop.packed import Packed
-from jflashloop.validation import CacheStateError, NonFiniteInputError, SaturationError
+from jflashloop import (
+    CacheConfig,
+    CacheStateError,
+    LoopStorage,
+    NonFiniteInputError,
+    Packed,
+    SaturationError,
+    checked,
+    paged_cache,
+    persistence,
+)
 
 CONFIG = CacheConfig(
     num_layers=1, num_kv_heads=1, head_dim=16, num_pages=6, max_sequences=2, max_pages_per_sequence=3,
@@ -187,8 +194,8 @@ BAD_INPUTS = [
     ("encode_chain: loops of different shapes",
      lambda: jflashloop.encode_chain([x3(), x3((4, 2, 4))], jflashloop.INT4_KEYS, [jflashloop.INT4_VALUES], [None]),
      ValueError, "loops\\[1\\] has shape"),
-    ("decode_chain: loop 0", lambda: jflashloop.decode_chain(
-        jflashloop.encode_chain([x3()], jflashloop.INT4_KEYS, [], []), 0), ValueError, "loop must be in \\[1, 1\\]"),
+    ("decode_loop: loop 1 of a one-loop chain", lambda: jflashloop.decode_loop(
+        jflashloop.encode_chain([x3()], jflashloop.INT4_KEYS, [], []), 1), ValueError, "loop must be in \\[0, 1\\)"),
     ("prefill: wrong layout", lambda: _prefill_eager(layout=(1, 3, 20, 1, 16)),
      ValueError, "keys must be \\[layers=1, loops=2, tokens, kv_heads=1, head_dim=16\\]"),
     ("prefill: int keys", lambda: _prefill_eager(dtype=np.int32), TypeError, "keys must have a floating dtype"),

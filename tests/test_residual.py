@@ -61,19 +61,19 @@ def test_int4_base_with_nvfp4_residuals(rng):
         difference = (loops[loop_index][rows] - reconstruction[rows]).astype(np.float32)
         reconstruction = reconstruction.copy()
         reconstruction[rows] = (reconstruction[rows] + round_trip(difference, _codec(NVFP4_RESIDUAL))).astype(np.float32)
-        assert_bits_equal(jflashloop.decode_chain(chain, loop_index + 1), reconstruction, f"loop {loop_index + 1}")
+        assert_bits_equal(jflashloop.decode_loop(chain, loop_index), reconstruction, f"loop {loop_index}")
 
 
 def test_general_positions_need_not_be_subsets(rng):
     loops = _looped(rng, 4, (40, 1, 16))
-    # Loop 4 selects rows loop 3 did not: still exact against the reconstructed predecessor.
+    # Loop 3 selects rows loop 2 did not: still exact against the reconstructed predecessor.
     positions = [None, np.array([1, 5, 9], np.int32), np.array([2, 5, 30], np.int32)]
     chain = jflashloop.encode_chain(loops, jflashloop.INT4_VALUES, [jflashloop.INT4_VALUES] * 3, positions)
-    loop3 = np.asarray(jflashloop.decode_chain(chain, 3))
-    loop4 = np.asarray(jflashloop.decode_chain(chain, 4))
+    loop2 = np.asarray(jflashloop.decode_loop(chain, 2))
+    loop3 = np.asarray(jflashloop.decode_loop(chain, 3))
     untouched = np.setdiff1d(np.arange(40), [2, 5, 30])
-    assert_bits_equal(loop4[untouched], loop3[untouched], "absent positions inherit loop 3")
-    assert np.abs(loop4[30] - loops[3][30]).max() < np.abs(loop3[30] - loops[3][30]).max()
+    assert_bits_equal(loop3[untouched], loop2[untouched], "absent positions inherit loop 2")
+    assert np.abs(loop3[30] - loops[3][30]).max() < np.abs(loop2[30] - loops[3][30]).max()
 
 
 def test_closed_loop_beats_open_loop(rng):

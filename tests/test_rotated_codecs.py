@@ -11,7 +11,8 @@ import pytest
 
 import jflashloop
 import jflashloop_reference.rotations as oracle
-from jflashloop import codec_spec, rotated_codecs, storage
+from jflashloop import storage
+from jflashloop.codecs import _rotated as rotated_codecs
 from tests.bits import assert_bits_equal
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -38,12 +39,12 @@ def _vectors(rng, tokens, heads, dim, case):
 
 
 CODECS = {
-    "int4_rotated": (lambda d: codec_spec.int4_rotated(d, 7), rotated_codecs.encode_int4_rotated,
+    "int4_rotated": (lambda d: jflashloop.int4_rotated(d, 7), rotated_codecs.encode_int4_rotated,
                      rotated_codecs.decode_int4_rotated),
-    "int2_lloyd_max": (lambda d: codec_spec.int2_lloyd_max(d, 7), rotated_codecs.encode_int2_lloyd_max,
+    "int2_lloyd_max": (lambda d: jflashloop.int2_lloyd_max(d, 7), rotated_codecs.encode_int2_lloyd_max,
                        rotated_codecs.decode_int2_lloyd_max),
-    "e8": (lambda d: codec_spec.E8_KEYS, rotated_codecs.encode_e8, rotated_codecs.decode_e8),
-    "int4_group_rotated": (lambda d: codec_spec.INT4_GROUP_ROTATED_VALUES,
+    "e8": (lambda d: jflashloop.E8_KEYS, rotated_codecs.encode_e8, rotated_codecs.decode_e8),
+    "int4_group_rotated": (lambda d: jflashloop.INT4_GROUP_ROTATED_VALUES,
                            rotated_codecs.encode_int4_group_rotated, rotated_codecs.decode_int4_group_rotated),
 }
 
@@ -65,7 +66,7 @@ def _oracle_row(name, vector, dim, seed=7):
 def _jax_codes(name, packed):
     payload = np.asarray(packed.payload)
     if name in ("int4_rotated", "int4_group_rotated"):
-        return np.asarray(jflashloop.nibbles.unpack_nibbles(packed.payload, packed.shape[2]))
+        return np.asarray(jflashloop.codecs.unpack_nibbles(packed.payload, packed.shape[2]))
     if name == "int2_lloyd_max":
         return np.asarray(rotated_codecs._unpack_crumbs(packed.payload))
     return payload
@@ -120,14 +121,14 @@ def test_rotation_is_orthonormal_and_signs_are_seeded(rng):
 def test_storage_per_head_token():
     # rk2v4-e8 at head_dim 256: K 64 code bytes + 4 float16 scales, V 128 + 4 scales = 208 bytes.
     for dim, expected in ((256, 208), (128, 104), (64, 52)):
-        key = codec_spec.E8_KEYS.nbytes((1, 1, dim))
-        value = codec_spec.INT4_GROUP_ROTATED_VALUES.nbytes((1, 1, dim))
-        assert key + value == expected == storage.head_token_bytes(codec_spec.E8_KEYS,
-                                                                  codec_spec.INT4_GROUP_ROTATED_VALUES, dim)
-    assert codec_spec.int4_rotated(128).nbytes((1, 1, 128)) == 64 + 4  # scale with the zero point inside
-    assert codec_spec.int2_lloyd_max(128).nbytes((1, 1, 128)) == 32 + 2
-    assert codec_spec.int4_rotated(128).bits_per_element() == 4.25
-    assert codec_spec.int2_lloyd_max(128).bits_per_element() == 2.125
+        key = jflashloop.E8_KEYS.nbytes((1, 1, dim))
+        value = jflashloop.INT4_GROUP_ROTATED_VALUES.nbytes((1, 1, dim))
+        assert key + value == expected == storage.head_token_bytes(jflashloop.E8_KEYS,
+                                                                  jflashloop.INT4_GROUP_ROTATED_VALUES, dim)
+    assert jflashloop.int4_rotated(128).nbytes((1, 1, 128)) == 64 + 4  # scale with the zero point inside
+    assert jflashloop.int2_lloyd_max(128).nbytes((1, 1, 128)) == 32 + 2
+    assert jflashloop.int4_rotated(128).bits_per_element() == 4.25
+    assert jflashloop.int2_lloyd_max(128).bits_per_element() == 2.125
 
 
 @pytest.mark.parametrize(
@@ -145,7 +146,7 @@ def test_bad_rotated_specs(kwargs, message):
 
 
 def _rotated_config(key_spec, value_spec):
-    from jflashloop.cache_config import LoopStorage
+    from jflashloop import LoopStorage
     from tests.test_paged_cache import small_config
 
     base = small_config(head_dim=64, num_loops=3)
@@ -156,9 +157,9 @@ def _rotated_config(key_spec, value_spec):
 @pytest.mark.parametrize(
     "key_spec, value_spec",
     [
-        (codec_spec.int4_rotated(64, 1), codec_spec.int4_rotated(64, 2)),
-        (codec_spec.int2_lloyd_max(64, 1), codec_spec.int2_lloyd_max(64, 1)),
-        (codec_spec.E8_KEYS, codec_spec.INT4_GROUP_ROTATED_VALUES),
+        (jflashloop.int4_rotated(64, 1), jflashloop.int4_rotated(64, 2)),
+        (jflashloop.int2_lloyd_max(64, 1), jflashloop.int2_lloyd_max(64, 1)),
+        (jflashloop.E8_KEYS, jflashloop.INT4_GROUP_ROTATED_VALUES),
     ],
     ids=["int4_rotated", "int2", "rk2v4_e8"],
 )
@@ -169,38 +170,6 @@ def test_rotated_formats_in_the_cache_match_the_oracle(rng, key_spec, value_spec
     # 40 + 9 tokens cross the 48-token page boundary while appending.
     cache, history = build(rng, config, prompt_lengths=[40, 19], steps=9)
     assert_matches_oracle(cache, history.keys, history.values, layers=[1], loops=[0, 2])
-
-
-def test_int4_rotated_fused_kernel_matches_reference(rng):
-    from jflashloop.attention import decode_attention
-    from tests.test_paged_cache import build
-
-    config = _rotated_config(codec_spec.int4_rotated(64, 1), codec_spec.int4_rotated(64, 2))
-    cache, _ = build(rng, config, prompt_lengths=[70, 23, 64], steps=2)
-    queries = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
-    from jflashloop_pallas_kernels.decode_attention import KernelConfig
-
-    # float32 products in interpret mode (exact), the default float16 on GPU.
-    products, tolerance = ("float16", 2e-3) if ON_GPU else ("float32", 1e-5)
-    for loop in range(3):
-        expected = jflashloop.decode_attention_reference(queries, cache, 0, loop)
-        actual = decode_attention(queries, cache, 0, loop, implementation="pallas", poison_for_tests=True,
-                                  kernel_config=KernelConfig(products=products, num_splits=2))
-        error = np.linalg.norm(np.asarray(actual - expected), axis=(1, 2)) / np.linalg.norm(np.asarray(expected), axis=(1, 2))
-        assert (error < tolerance).all(), (loop, error)
-
-
-def test_formats_without_a_fused_kernel_fall_back(rng):
-    from jflashloop.attention import decode_attention
-    from tests.test_paged_cache import build
-
-    config = _rotated_config(codec_spec.E8_KEYS, codec_spec.INT4_GROUP_ROTATED_VALUES)
-    cache, _ = build(rng, config, prompt_lengths=[30], steps=0)
-    queries = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
-    with pytest.raises(NotImplementedError, match="e8"):
-        decode_attention(queries, cache, 0, 0, implementation="pallas")
-    automatic = decode_attention(queries, cache, 0, 0)  # falls back to the reference path
-    assert_bits_equal(automatic, jflashloop.decode_attention_reference(queries, cache, 0, 0), "fallback")
 
 
 # --------------------------------------------------------------------------- int4_rotated edge values
@@ -222,7 +191,7 @@ def _edge_vectors(dim):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dim", [16, 128])
 def test_int4_rotated_saturates_and_counts_edge_values(dim, implementation):
-    spec = codec_spec.int4_rotated(dim, 7)
+    spec = jflashloop.int4_rotated(dim, 7)
     x = _edge_vectors(dim)
     encode = functools.partial(jflashloop.codecs.encode_with_statistics, spec=spec, implementation=implementation)
     packed, statistics = jax.jit(encode)(jnp.asarray(x))
@@ -245,10 +214,9 @@ def test_int4_rotated_saturates_and_counts_edge_values(dim, implementation):
 
 
 def test_int4_rotated_cache_saturates_and_counts_huge_values(rng):
-    from jflashloop import paged_cache
-    from jflashloop.cache_config import CacheConfig, LoopStorage
+    from jflashloop import CacheConfig, LoopStorage, paged_cache
 
-    spec = codec_spec.int4_rotated(16, 3)
+    spec = jflashloop.int4_rotated(16, 3)
     config = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,
                          max_pages_per_sequence=3, page_size=16, recent_tokens=4, sink_tokens=0,
                          loops=(LoopStorage(spec, spec), LoopStorage(spec, spec)))

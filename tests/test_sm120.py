@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from jflashloop import attention, paged_cache
+from jflashloop import paged_cache
+from jflashloop.ops import _decode_attention as attention
 from jflashloop_pallas_kernels import launch
 from jflashloop_pallas_kernels.decode_attention import KernelConfig, page_bytes
 from jflashloop_triton_kernels import launch as gluon_launch

@@ -160,7 +160,7 @@ def _pallas(select: str, lowered: Callable[[int], object]) -> Callable[[int], Co
 def _cache_config(format: str, head_dim: int, page_size: int):
     """A one-layer FlashLoop cache (dense loops 1-2, sparse loops 3-4) in ``format``."""
     import jflashloop
-    from jflashloop.cache_config import CacheConfig, LoopStorage
+    from jflashloop import CacheConfig, LoopStorage
 
     base = CacheConfig.flashloop(num_layers=1, num_kv_heads=2, head_dim=head_dim, num_pages=8, max_sequences=2,
                                  max_pages_per_sequence=4, num_loops=4, page_size=page_size)
@@ -176,7 +176,8 @@ def _decode_lowered(format: str, loop: int, head_dim: int, page_size: int, capab
     import jax
     import jax.numpy as jnp
 
-    from jflashloop import attention, paged_cache
+    from jflashloop import paged_cache
+    from jflashloop.ops import _decode_attention as attention
     from jflashloop_pallas_kernels import triton_ir
     from jflashloop_pallas_kernels.decode_attention import KernelConfig, paged_decode_attention
 

@@ -36,9 +36,11 @@ for stage in "$@"; do
   case $stage in
     tests) run_stage tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -n 8 -p no:cacheprovider \
              tests/test_codecs.py tests/test_rotated_codecs.py tests/test_residual.py \
-             tests/test_paged_cache.py tests/test_decode_kernel.py tests/test_determinism.py ;;
+             tests/test_paged_cache.py tests/test_decode_attention.py tests/test_page_quantization.py \
+             tests/test_determinism.py ;;
     kerneltests) run_stage kerneltests 200 python3 -m pytest -q -n 8 -p no:cacheprovider \
-             tests/test_decode_kernel.py tests/test_rotated_codecs.py tests/test_determinism.py ;;
+             tests/test_decode_attention.py tests/test_page_quantization.py tests/test_rotated_codecs.py \
+             tests/test_determinism.py ;;
     trainbg) python3 bench/train_ouro.py --out "$OUT/ouro_tiny.npz" --time-budget 240 > "$OUT/train.log" 2>&1 &
              train_pid=$! ; summary+=("train: started in the background") ;;
     waittrain) start=$SECONDS; wait "$train_pid"; summary+=("train: exit $? after waiting $((SECONDS - start)) s") ;;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .codec_spec import INT4_KEYS, INT4_VALUES, CodecSpec
+from ..codecs import INT4_KEYS, INT4_VALUES, CodecSpec
 
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 INT32_MAX = 2**31 - 1
@@ -16,7 +16,7 @@ class LoopStorage:
     """How one loop's K and V are stored.
 
     Attributes:
-      key_spec, value_spec: codecs of this loop's stream (the base for loop 1,
+      key_spec, value_spec: codecs of this loop's stream (the base for loop 0,
         the residual against the reconstructed predecessor for later loops).
       sparse_rows_per_page: None for a dense loop (every token stored); an int
         for a compact sparse residual: at most this many token rows of each
@@ -57,8 +57,8 @@ class CacheConfig:
       max_sequences: sequence slots (rows of the block table).
       max_pages_per_sequence: block-table width; a sequence holds at most
         ``max_pages_per_sequence * page_size`` tokens.
-      loops: one :class:`LoopStorage` per loop (1 for an ordinary model); loop
-        1 must be dense.
+      loops: one :class:`LoopStorage` per loop (1 for an ordinary model),
+        indexed from 0; loop 0 (the base) must be dense.
       page_size: tokens per page (16, 32, 64 or 128). Every quantization group
         lies inside one page: channel-axis K groups must divide the page size.
       sink_tokens: first tokens of each sequence kept in ``window_dtype``.
@@ -188,8 +188,8 @@ class CacheConfig:
     ) -> CacheConfig:
         """FlashLoop's default policy for a looped model.
 
-        Loop 1: INT4 base (K per channel over the page's 64 tokens, V per token
-        over 64 channels); loop 2: dense INT4 residual; loops 3, 4, ...: compact
+        Loop 0: INT4 base (K per channel over the page's 64 tokens, V per token
+        over 64 channels); loop 1: dense INT4 residual; loops 2, 3, ...: compact
         sparse INT4 residuals (per token) for 25% and 10% of each page's tokens
         (rounded up to whole rows: 16 and 7 of 64).
         """

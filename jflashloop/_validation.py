@@ -1,4 +1,4 @@
-"""Argument checks shared by the public API, and the exceptions they raise.
+"""Argument checks shared by the public API (the exceptions are in :mod:`._errors`).
 
 Checks on static facts (ranks, shapes, dtypes, Python ints) always run; checks
 on values run only when the value is concrete (not a tracer), so they add no
@@ -11,19 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._errors import NonFiniteInputError
+
 SUPPORTED_FLOAT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-
-
-class NonFiniteInputError(ValueError):
-    """A checked entry point was given NaN or +-inf."""
-
-
-class SaturationError(ValueError):
-    """A checked entry point would have stored values beyond their format's range."""
-
-
-class CacheStateError(ValueError):
-    """A :class:`~jflashloop.PagedKVCache` is internally inconsistent (see ``paged_cache.validate``)."""
 
 
 def is_concrete(x) -> bool:

@@ -1,4 +1,4 @@
-"""Bit-exact float32 building blocks shared by the codecs.
+"""Exact-float helpers: bit-exact float32 roundings shared by the codecs.
 
 The codecs must give the same bits on every backend. Four traps decide the
 design (all measured): XLA on GPU does not round float32 division correctly;
@@ -7,9 +7,10 @@ division by a broadcast value into a multiplication by its reciprocal;
 XLA on GPU may drop a float32 -> float16 -> float32 round trip inside one jit
 (excess precision); Pallas-Triton cannot lower ``round``. So:
 
-* :func:`divide` sends float32 divisions through a Pallas kernel with PTX
-  ``div.rn.f32`` on GPU and uses XLA's (correctly rounded) division on CPU,
-  behind an optimization barrier that hides the denominator's broadcast;
+* divisions go through the exact-division op
+  (:func:`jflashloop.ops._division.divide`: a Pallas kernel with PTX
+  ``div.rn.f32`` on GPU, XLA's correctly rounded CPU division behind an
+  optimization barrier that hides the denominator's broadcast);
 * :func:`round_to_float16` and :func:`round_to_e4m3` return the rounded value
   as float32 computed with exact integer and power-of-two operations, so a
   later elided conversion cannot change it (``lax.reduce_precision`` would
@@ -23,12 +24,8 @@ XLA on GPU may drop a float32 -> float16 -> float32 round trip inside one jit
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
-
-Implementation = Literal["xla", "pallas"]
 
 FLOAT16_MAX = 65504.0
 FLOAT32_MIN_NORMAL = 2.0**-126
@@ -37,56 +34,12 @@ E4M3_MIN_NORMAL = 2.0**-6
 E4M3_MIN_SUBNORMAL = 2.0**-9
 
 
-def resolve_implementation(implementation: str | None) -> Implementation:
-    """Pick ``"pallas"`` on GPU and ``"xla"`` elsewhere unless one is given."""
-    if implementation is None:
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    if implementation not in ("xla", "pallas"):
-        raise ValueError(
-            f"implementation must be None, 'xla' or 'pallas', got {implementation!r}"
-        )
-    return implementation
-
-
-def divide(numerator: jax.Array, denominator: jax.Array, implementation: Implementation) -> jax.Array:
-    """Correctly rounded float32 ``numerator / denominator`` (elementwise).
-
-    Args:
-      numerator, denominator: float32 arrays of broadcastable shapes.
-      implementation: ``"xla"`` (exact on CPU, not on GPU) or ``"pallas"``
-        (exact everywhere: PTX ``div.rn.f32`` on GPU, interpret mode on CPU).
-    Returns:
-      float32 array of the broadcast shape.
-    """
-    if implementation == "xla":
-        return divide_without_reciprocal(numerator, denominator)
-    from jflashloop_pallas_kernels import divide_correctly_rounded
-
-    return divide_correctly_rounded(
-        numerator, denominator, interpret=jax.default_backend() != "gpu"
-    )
-
-
-def divide_without_reciprocal(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-    """XLA float32 division that XLA cannot turn into a reciprocal multiply.
-
-    XLA rewrites ``a / broadcast(b)`` as ``a * broadcast(1 / b)`` (two
-    roundings). Stacking both operands behind an optimization barrier hides
-    any broadcast, including the one ``vmap`` inserts for an unbatched
-    operand, so XLA keeps a true elementwise division, which its CPU backend
-    rounds correctly.
-    """
-    numerator, denominator = jnp.broadcast_arrays(numerator, denominator)
-    operands = jax.lax.optimization_barrier(jnp.stack([numerator, denominator]))
-    return operands[0] / operands[1]
-
-
 def round_half_to_even(x: jax.Array) -> jax.Array:
     """Round float32 values to integers, ties to even (``jnp.round`` is RNE)."""
     return jnp.round(x)
 
 
-def _round_mantissa(x: jax.Array, dropped_bits: int) -> jax.Array:
+def round_mantissa(x: jax.Array, dropped_bits: int) -> jax.Array:
     """Round float32 ``x`` to ``23 - dropped_bits`` mantissa bits (RNE) via its bits."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     lowest_kept_bit = (bits >> dropped_bits) & 1
@@ -109,7 +62,7 @@ def round_to_float16(x: jax.Array) -> jax.Array:
     converting the result to float16 and back is the identity on every backend.
     """
     clipped = jnp.clip(x, -FLOAT16_MAX, FLOAT16_MAX)
-    normal = _round_mantissa(clipped, dropped_bits=13)
+    normal = round_mantissa(clipped, dropped_bits=13)
     subnormal = _round_to_multiple_of_power_of_two(clipped, exponent=-24)
     return jnp.where(jnp.abs(clipped) >= 2.0**-14, normal, subnormal)
 
@@ -121,7 +74,7 @@ def round_to_e4m3(x: jax.Array) -> jax.Array:
     power-of-two scaling for subnormal ones. Returns float32 holding exactly a
     ``float8_e4m3fn`` value.
     """
-    normal = _round_mantissa(x, dropped_bits=20)
+    normal = round_mantissa(x, dropped_bits=20)
     subnormal = _round_to_multiple_of_power_of_two(x, exponent=-9)
     return jnp.where(x >= E4M3_MIN_NORMAL, normal, subnormal)
 

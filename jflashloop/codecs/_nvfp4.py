@@ -19,11 +19,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import numerics
-from .codec_spec import NVFP4_BLOCK_SIZE, CodecSpec
-from .encode_statistics import EncodeStatistics, count
-from .nibbles import pack_nibbles, unpack_nibbles
-from .packed import Packed
+from ..ops import _dispatch
+from ..ops._division import divide
+from . import _floats as floats
+from ._packed import Packed, pack_nibbles, unpack_nibbles
+from ._spec import NVFP4_BLOCK_SIZE, CodecSpec
+from ._statistics import EncodeStatistics, count, nvfp4_saturated
 
 GLOBAL_SCALE_DIVISOR = 6.0 * 448.0
 AMAX_FLOOR = 1e-12
@@ -43,9 +44,9 @@ def global_scale_from_amax(amax: jax.Array, implementation: str | None = None) -
 
     Use it to fix the global scale of a streamed cache from a calibrated amax.
     """
-    implementation = numerics.resolve_implementation(implementation)
+    implementation = _dispatch.resolve(implementation)
     amax = jnp.maximum(jnp.asarray(amax, jnp.float32), jnp.float32(AMAX_FLOOR))
-    return numerics.divide(amax, jnp.float32(GLOBAL_SCALE_DIVISOR), implementation)
+    return divide(amax, jnp.float32(GLOBAL_SCALE_DIVISOR), implementation)
 
 
 def e2m1_code(magnitude: jax.Array) -> jax.Array:
@@ -76,9 +77,9 @@ def _blocks(x: jax.Array) -> jax.Array:
 def block_scales(block_amax: jax.Array, global_scale: jax.Array, implementation: str) -> jax.Array:
     """float32 E4M3 values ``clamp(amax16 / (6 * global), 2**-9, 448)`` rounded RNE."""
     six_global = jnp.float32(6.0) * global_scale
-    local = numerics.divide(block_amax, six_global, implementation)
-    local = jnp.clip(local, numerics.E4M3_MIN_SUBNORMAL, numerics.E4M3_MAX)
-    return numerics.round_to_e4m3(local)
+    local = divide(block_amax, six_global, implementation)
+    local = jnp.clip(local, floats.E4M3_MIN_SUBNORMAL, floats.E4M3_MAX)
+    return floats.round_to_e4m3(local)
 
 
 def finite_magnitudes(x: jax.Array) -> jax.Array:
@@ -87,7 +88,7 @@ def finite_magnitudes(x: jax.Array) -> jax.Array:
 
 
 def _encode(x: jax.Array, spec: CodecSpec, implementation: str, global_scale: jax.Array | None):
-    x = numerics.flush_subnormals(x.astype(jnp.float32))
+    x = floats.flush_subnormals(x.astype(jnp.float32))
     origin = "given" if global_scale is not None else "tensor_amax"
     if global_scale is None:
         global_scale = global_scale_from_amax(jnp.max(finite_magnitudes(x)), implementation)
@@ -96,7 +97,7 @@ def _encode(x: jax.Array, spec: CodecSpec, implementation: str, global_scale: ja
     magnitudes = jnp.abs(blocks)
     scale = block_scales(finite_magnitudes(blocks).max(axis=-1), global_scale, implementation)
     denominator = scale * global_scale
-    quotient = numerics.divide(magnitudes, denominator[..., None], implementation)
+    quotient = divide(magnitudes, denominator[..., None], implementation)
     # NaN: all E2M1 thresholds compare False (code 0), and its sign bit is ignored.
     sign = (jnp.signbit(blocks) & ~jnp.isnan(blocks)).astype(jnp.uint8) << 3
     codes = (e2m1_code(quotient) | sign).reshape(*x.shape[:2], -1)[..., : x.shape[2]]
@@ -121,7 +122,7 @@ def _statistics(blocks: jax.Array, quotient: jax.Array, global_scale: jax.Array,
     """
     finite = jnp.isfinite(blocks)
     real = (jnp.arange(blocks.shape[-2] * blocks.shape[-1]) < channels).reshape(blocks.shape[-2:])
-    saturated = finite & real & ((quotient >= SATURATION_QUOTIENT) | ~jnp.isfinite(global_scale))
+    saturated = finite & real & ((quotient >= SATURATION_QUOTIENT) | nvfp4_saturated(global_scale))
     return EncodeStatistics(nonfinite=count(~finite), saturated=count(saturated))
 
 

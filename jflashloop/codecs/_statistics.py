@@ -1,4 +1,12 @@
-"""`EncodeStatistics`: what an encode had to bend (non-finite and saturated elements)."""
+"""`EncodeStatistics` and the one saturation rule of each format.
+
+What an encode had to bend is counted by the rules here, and by nothing
+else: the codecs count from the float32 values they compute, the paged
+cache (``jflashloop.cache``) from the metadata it stores, both through
+:func:`int4_saturated_groups` and :func:`nvfp4_saturated`; ``int4_rotated``
+counts from its input rule (:func:`jflashloop.codecs._rotated.int4_rotated_input`),
+in the codec and in the cache.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from ._floats import FLOAT16_MAX
+
+FLOAT16_OVERFLOW = 65520.0
+"""Smallest float32 magnitude that float16 rounding (RNE) turns into inf."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,3 +60,28 @@ jax.tree_util.register_dataclass(
 def count(mask: jax.Array) -> jax.Array:
     """int32 ``[]``: number of True elements of a bool array."""
     return jnp.sum(mask, dtype=jnp.int32)
+
+
+def int4_saturated_groups(minimum: jax.Array, scale: jax.Array) -> jax.Array:
+    """bool, per INT4 group: its float16 min or scale saturates.
+
+    The rule is that float16 metadata beyond +-65504 is stored as +-65504.
+    Given the float32 group parameters (an encode), that is a magnitude of at
+    least :data:`FLOAT16_OVERFLOW` (65520: float16 rounding would give inf),
+    or a non-finite one. Given the stored float16 metadata (a packed page,
+    whose float32 parameters are gone), it is a value at +-65504 (where
+    saturation puts it) or a non-finite one; this can over-count a group
+    whose min or scale is legitimately within rounding of 65504.
+    """
+    limit = FLOAT16_OVERFLOW if minimum.dtype == jnp.float32 else FLOAT16_MAX
+    minimum, scale = minimum.astype(jnp.float32), scale.astype(jnp.float32)
+    return ~(jnp.abs(minimum) < limit) | ~(jnp.abs(scale) < limit)
+
+
+def nvfp4_saturated(global_scale: jax.Array) -> jax.Array:
+    """bool: an NVFP4 tensor scale that is not finite, so every finite element saturates.
+
+    Only a traced global scale can get past the argument check; the cache's
+    tile scales come from each tile's own amax and are finite.
+    """
+    return ~jnp.isfinite(global_scale)

@@ -20,14 +20,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import numerics
-from .codec_spec import CodecSpec
-from .encode_statistics import EncodeStatistics, count
-from .nibbles import pack_nibbles, unpack_nibbles
-from .packed import Packed
+from ..ops._division import divide
+from . import _floats as floats
+from ._packed import Packed, pack_nibbles, unpack_nibbles
+from ._spec import CodecSpec
+from ._statistics import EncodeStatistics, count, int4_saturated_groups
 
-FLOAT16_OVERFLOW = 65520.0
-"""Smallest float32 magnitude that float16 rounding (RNE) turns into inf."""
 MINIMUM_SPAN = 2.0**-121
 """Groups whose span is below this are encoded like constant groups (scale 1).
 
@@ -84,7 +82,7 @@ def group_parameters(x: jax.Array, spec: CodecSpec, implementation: str):
     minimum = jnp.where(has_finite, minimum, jnp.float32(0.0))
     span = jnp.where(has_finite, maximum, jnp.float32(0.0)) - minimum
     scale = jnp.where(
-        span >= MINIMUM_SPAN, numerics.divide(span, jnp.float32(15.0), implementation), jnp.float32(1.0)
+        span >= MINIMUM_SPAN, divide(span, jnp.float32(15.0), implementation), jnp.float32(1.0)
     )
     return minimum, scale
 
@@ -95,10 +93,10 @@ def codes_from_parameters(x, minimum, scale, spec: CodecSpec, implementation: st
     NaN is coded as 0.0 would be; +-inf clamp to codes 15 and 0.
     """
     groups = _grouped(jnp.where(jnp.isnan(x), jnp.float32(0.0), x), spec)
-    quotient = numerics.divide(
+    quotient = divide(
         groups - _expand(minimum, spec), _expand(scale, spec), implementation
     )
-    codes = jnp.clip(numerics.round_half_to_even(quotient), 0.0, 15.0)
+    codes = jnp.clip(floats.round_half_to_even(quotient), 0.0, 15.0)
     codes = jnp.where(jnp.isnan(codes), 0.0, codes)
     return _ungrouped(codes, spec, x.shape).astype(jnp.uint8)
 
@@ -106,20 +104,20 @@ def codes_from_parameters(x, minimum, scale, spec: CodecSpec, implementation: st
 def statistics_from_parameters(x, minimum, scale, spec: CodecSpec) -> EncodeStatistics:
     """Non-finite elements of float32 ``x`` and finite members of float16-overflowing groups."""
     finite = jnp.isfinite(x)
-    overflow = ~(jnp.abs(minimum) < FLOAT16_OVERFLOW) | ~(scale < FLOAT16_OVERFLOW)
+    overflow = int4_saturated_groups(minimum, scale)
     grouped_shape = _grouped(x, spec).shape
     member_overflow = _ungrouped(jnp.broadcast_to(_expand(overflow, spec), grouped_shape), spec, x.shape)
     return EncodeStatistics(nonfinite=count(~finite), saturated=count(member_overflow & finite))
 
 
 def _encode(x: jax.Array, spec: CodecSpec, implementation: str):
-    x = numerics.flush_subnormals(x.astype(jnp.float32))
+    x = floats.flush_subnormals(x.astype(jnp.float32))
     minimum, scale = group_parameters(x, spec, implementation)
     codes = codes_from_parameters(x, minimum, scale, spec, implementation)
     packed = Packed(
         payload=pack_nibbles(codes),
-        scale=numerics.round_to_float16(scale).astype(jnp.float16),
-        minimum=numerics.round_to_float16(minimum).astype(jnp.float16),
+        scale=floats.round_to_float16(scale).astype(jnp.float16),
+        minimum=floats.round_to_float16(minimum).astype(jnp.float16),
         global_scale=None,
         spec=spec,
         shape=tuple(x.shape),
@@ -142,7 +140,7 @@ def encode_int4_with_statistics(
 
 def int4_statistics(x: jax.Array, spec: CodecSpec, implementation: str) -> EncodeStatistics:
     """The :class:`EncodeStatistics` of encoding ``x`` ``[T, H, C]``, without encoding it."""
-    x = numerics.flush_subnormals(x.astype(jnp.float32))
+    x = floats.flush_subnormals(x.astype(jnp.float32))
     minimum, scale = group_parameters(x, spec, implementation)
     return statistics_from_parameters(x, minimum, scale, spec)
 

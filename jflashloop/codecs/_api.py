@@ -1,4 +1,8 @@
-"""Public codec entry points: :func:`encode` and :func:`decode`."""
+"""The codec entry points: :func:`encode`, :func:`decode` and the encode statistics.
+
+Each checks its arguments, resolves ``implementation`` once
+(:mod:`jflashloop.ops._dispatch`) and dispatches on ``spec.format``.
+"""
 
 from __future__ import annotations
 
@@ -6,34 +10,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import numerics, rotated_codecs
-from .codec_spec import CodecSpec
-from .encode_statistics import EncodeStatistics
-from .int4 import decode_int4, encode_int4, encode_int4_with_statistics, int4_statistics
-from .nvfp4 import (
+from ..ops import _dispatch
+from . import _rotated as rotated
+from ._floats import cast_saturating
+from ._int4 import decode_int4, encode_int4, encode_int4_with_statistics, int4_statistics
+from ._nvfp4 import (
     MINIMUM_GIVEN_GLOBAL_SCALE,
     decode_nvfp4,
     encode_nvfp4,
     encode_nvfp4_with_statistics,
 )
-from .packed import Packed
+from ._packed import Packed
+from ._spec import CodecSpec
+from ._statistics import EncodeStatistics
 
 SUPPORTED_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _ROTATED_ENCODERS = {
-    "int4_rotated": rotated_codecs.encode_int4_rotated,
-    "int2_lloyd_max": rotated_codecs.encode_int2_lloyd_max,
-    "e8": rotated_codecs.encode_e8,
-    "int4_group_rotated": rotated_codecs.encode_int4_group_rotated,
+    "int4_rotated": rotated.encode_int4_rotated,
+    "int2_lloyd_max": rotated.encode_int2_lloyd_max,
+    "e8": rotated.encode_e8,
+    "int4_group_rotated": rotated.encode_int4_group_rotated,
 }
 _ROTATED_DECODERS = {
-    "int4_rotated": rotated_codecs.decode_int4_rotated,
-    "int2_lloyd_max": rotated_codecs.decode_int2_lloyd_max,
-    "e8": rotated_codecs.decode_e8,
-    "int4_group_rotated": rotated_codecs.decode_int4_group_rotated,
+    "int4_rotated": rotated.decode_int4_rotated,
+    "int2_lloyd_max": rotated.decode_int2_lloyd_max,
+    "e8": rotated.decode_e8,
+    "int4_group_rotated": rotated.decode_int4_group_rotated,
 }
 
 
-def _check_input(x, spec, name: str = "x") -> None:
+def check_input(x, spec, name: str = "x") -> None:
     if not isinstance(spec, CodecSpec):
         raise TypeError(f"spec must be a CodecSpec, got {type(spec).__name__}")
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -54,7 +60,7 @@ def _as_float32(global_scale) -> np.ndarray:
         return np.asarray(global_scale).astype(np.float32)
 
 
-def _check_global_scale(global_scale, spec: CodecSpec) -> None:
+def check_global_scale(global_scale, spec: CodecSpec) -> None:
     if global_scale is None:
         return
     if spec.format != "nvfp4":
@@ -73,6 +79,22 @@ def _check_global_scale(global_scale, spec: CodecSpec) -> None:
             "global_scale must be one finite positive float32 number >= 2**-116 "
             f"(so no scale product is subnormal), got {given}{as_float32}"
         )
+
+
+STATISTICS_FORMATS = ("int4", "nvfp4", "int4_rotated")
+
+
+def _checked_arguments(x, spec, global_scale, implementation, *, statistics: bool = False):
+    """Every argument check of :func:`encode` (and the statistics), then the resolved implementation."""
+    check_input(x, spec)
+    if statistics:
+        if spec.format not in STATISTICS_FORMATS:
+            raise ValueError(
+                f"encode statistics are defined for the formats {STATISTICS_FORMATS}, got {spec.format!r}"
+            )
+        spec.check_shape(tuple(x.shape))
+    check_global_scale(global_scale, spec)
+    return _dispatch.resolve(implementation)
 
 
 def encode(
@@ -97,8 +119,10 @@ def encode(
         inf, is refused). Values beyond what it can represent saturate to
         +-6 * 448 * global_scale (counted by :func:`encode_with_statistics`).
       implementation: ``None`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or
-        ``"pallas"``. Both are bit-exact on CPU; on GPU only ``"pallas"`` is,
-        because XLA's GPU float32 division is not correctly rounded.
+        ``"pallas"`` (or a :class:`jflashloop.ops.Implementation`, e.g. to run
+        the kernels in interpret mode on a GPU). Both are bit-exact on CPU; on
+        GPU only ``"pallas"`` is, because XLA's GPU float32 division is not
+        correctly rounded.
     Returns:
       :class:`Packed` with uint8 payload ``[tokens, kv_heads, ceil(channels/2)]``.
 
@@ -118,9 +142,7 @@ def encode(
       >>> bool(jnp.abs(jflashloop.decode(packed) - x).max() < 0.07)
       True
     """
-    _check_input(x, spec)
-    _check_global_scale(global_scale, spec)
-    implementation = numerics.resolve_implementation(implementation)
+    implementation = _checked_arguments(x, spec, global_scale, implementation)
     if spec.format in _ROTATED_ENCODERS:
         spec.check_shape(tuple(x.shape))
         return _ROTATED_ENCODERS[spec.format](x, spec, implementation)
@@ -155,24 +177,12 @@ def encode_with_statistics(
       >>> int(stats.nonfinite), int(stats.saturated)
       (1, 3)
     """
-    _check_input(x, spec)
-    _check_statistics_format(spec, tuple(x.shape))
-    _check_global_scale(global_scale, spec)
-    implementation = numerics.resolve_implementation(implementation)
+    implementation = _checked_arguments(x, spec, global_scale, implementation, statistics=True)
     if spec.format == "int4":
         return encode_int4_with_statistics(x, spec, implementation)
     if spec.format == "int4_rotated":
-        return rotated_codecs.encode_int4_rotated_with_statistics(x, spec, implementation)
+        return rotated.encode_int4_rotated_with_statistics(x, spec, implementation)
     return encode_nvfp4_with_statistics(x, spec, implementation, global_scale)
-
-
-STATISTICS_FORMATS = ("int4", "nvfp4", "int4_rotated")
-
-
-def _check_statistics_format(spec: CodecSpec, shape: tuple[int, int, int]) -> None:
-    if spec.format not in STATISTICS_FORMATS:
-        raise ValueError(f"encode statistics are defined for the formats {STATISTICS_FORMATS}, got {spec.format!r}")
-    spec.check_shape(shape)
 
 
 def count_saturations(
@@ -188,14 +198,11 @@ def count_saturations(
     only its input rule; NVFP4 needs the quotients, so it encodes and drops
     the payload (free under ``jit``).
     """
-    _check_input(x, spec)
-    _check_statistics_format(spec, tuple(x.shape))
-    _check_global_scale(global_scale, spec)
-    implementation = numerics.resolve_implementation(implementation)
+    implementation = _checked_arguments(x, spec, global_scale, implementation, statistics=True)
     if spec.format == "int4":
         return int4_statistics(x, spec, implementation)
     if spec.format == "int4_rotated":
-        return rotated_codecs.int4_rotated_statistics(x)
+        return rotated.int4_rotated_statistics(x)
     return encode_nvfp4_with_statistics(x, spec, implementation, global_scale)[1]
 
 
@@ -262,4 +269,4 @@ def decode(packed: Packed, dtype=jnp.float32) -> jax.Array:
         decoded = decode_nvfp4(packed)
     if np.dtype(dtype) == np.float32:
         return decoded
-    return numerics.cast_saturating(decoded, dtype)[0]
+    return cast_saturating(decoded, dtype)[0]

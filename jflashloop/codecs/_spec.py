@@ -1,0 +1,164 @@
+"""`CodecSpec`: the static descriptor of a low-bit KV format."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+Format = Literal["int4", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated"]
+Axis = Literal["channel", "token"]
+
+NVFP4_BLOCK_SIZE = 16
+FORMATS = ("int4", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated")
+# Formats whose group is the whole head, rotated by a seeded randomized Hadamard.
+HEAD_ROTATED_FORMATS = ("int4_rotated", "int2_lloyd_max")
+# Formats rotated by a plain normalized Hadamard (over the head for e8, per group otherwise).
+PLAIN_ROTATED_FORMATS = ("e8", "int4_group_rotated")
+# Payload bits per element.
+CODE_BITS = {"int4": 4, "nvfp4": 4, "int4_rotated": 4, "int2_lloyd_max": 2, "e8": 2, "int4_group_rotated": 4}
+# Metadata bits per group.
+METADATA_BITS = {"int4": 32, "nvfp4": 8, "int4_rotated": 32, "int2_lloyd_max": 16, "e8": 16,
+                 "int4_group_rotated": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecSpec:
+    """How one logical ``[tokens, kv_heads, channels]`` tensor is stored.
+
+    Frozen and hashable, so it is a static argument under ``jax.jit``.
+
+    Attributes:
+      format: ``"int4"`` (affine: 4-bit codes, float16 min and scale per group)
+        or ``"nvfp4"`` (E2M1 codes, one E4M3 scale per 16 channels, one float32
+        global scale per tensor); or one of the rotated formats (all
+        ``axis="token"``, see :mod:`jflashloop.codecs._rotated`):
+        ``"int4_rotated"`` (randomized Hadamard over the head, asymmetric 4-bit
+        per (token, head), float32 scale carrying the zero point;
+        ``group_size`` = head_dim), ``"int2_lloyd_max"`` (same rotation, 2-bit
+        Lloyd-Max levels of N(0,1), float16 RMS per (token, head);
+        ``group_size`` = head_dim), ``"e8"`` (normalized Hadamard over the head,
+        E8 root codes at 2 bits per channel, float16 scale per ``group_size``
+        channels) and ``"int4_group_rotated"`` (normalized Hadamard per
+        ``group_size`` channels, symmetric 4-bit, float16 scale per group).
+      axis: ``"channel"``: one set of parameters per (kv_head, channel) over
+        groups of ``group_size`` consecutive tokens (the K layout, KIVI-style);
+        ``"token"``: per (token, kv_head) over groups of ``group_size``
+        consecutive channels (the V layout). NVFP4 is ``"token"`` only.
+      group_size: elements per quantization group (64 by default for INT4;
+        NVFP4's block is always 16). The last group may be partial (INT4 and
+        NVFP4 only).
+      rotation_seed: seed of the random signs of ``int4_rotated`` and
+        ``int2_lloyd_max`` (recorded here so queries can take the same
+        rotation); None for every other format.
+
+    Example:
+      >>> CodecSpec("int4", "channel", 64)          # FlashLoop keys
+      CodecSpec(format='int4', axis='channel', group_size=64)
+      >>> CodecSpec("nvfp4", "token", 16).bits_per_element()
+      4.5
+    """
+
+    format: Format = "int4"
+    axis: Axis = "token"
+    group_size: int = 64
+    rotation_seed: int | None = None
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"CodecSpec.format must be one of {FORMATS}, got {self.format!r}")
+        if self.axis not in ("channel", "token"):
+            raise ValueError(f"CodecSpec.axis must be 'channel' or 'token', got {self.axis!r}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
+            raise TypeError(
+                f"CodecSpec.group_size must be a Python int, got {type(self.group_size).__name__}"
+            )
+        if self.group_size < 1:
+            raise ValueError(f"CodecSpec.group_size must be >= 1, got {self.group_size}")
+        if self.format == "nvfp4" and (self.axis, self.group_size) != ("token", NVFP4_BLOCK_SIZE):
+            raise ValueError(
+                "NVFP4 stores one E4M3 scale per 16 consecutive channels: use "
+                f"CodecSpec('nvfp4', 'token', 16), got axis={self.axis!r}, "
+                f"group_size={self.group_size}"
+            )
+        rotated = self.format in HEAD_ROTATED_FORMATS + PLAIN_ROTATED_FORMATS
+        if rotated and self.axis != "token":
+            raise ValueError(f"CodecSpec format {self.format!r} groups per token: use axis='token'")
+        if rotated and (self.group_size < 8 or self.group_size & (self.group_size - 1)):
+            raise ValueError(
+                f"CodecSpec format {self.format!r} needs a power-of-two group_size >= 8 "
+                f"(a Hadamard transform length), got {self.group_size}"
+            )
+        if self.format in HEAD_ROTATED_FORMATS:
+            if not isinstance(self.rotation_seed, int) or isinstance(self.rotation_seed, bool):
+                raise ValueError(f"CodecSpec format {self.format!r} needs an int rotation_seed")
+        elif self.rotation_seed is not None:
+            raise ValueError(f"CodecSpec.rotation_seed applies to {HEAD_ROTATED_FORMATS} only")
+
+    def check_shape(self, shape: tuple[int, int, int]) -> None:
+        """Raise ``ValueError`` if a ``[tokens, kv_heads, channels]`` shape cannot use this format."""
+        channels = shape[2]
+        if self.format in HEAD_ROTATED_FORMATS and channels != self.group_size:
+            raise ValueError(
+                f"{self.format} groups a whole head: group_size must equal the channel count "
+                f"{channels}, got {self.group_size}"
+            )
+        if self.format in PLAIN_ROTATED_FORMATS and channels % self.group_size:
+            raise ValueError(
+                f"{self.format} needs channels ({channels}) divisible by group_size {self.group_size}"
+            )
+        if self.format == "e8" and channels & (channels - 1):
+            raise ValueError(f"e8 rotates the whole head: channels must be a power of two, got {channels}")
+
+    def metadata_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+        """Shape of the per-group scale (and INT4 minimum) array for a logical shape."""
+        tokens, heads, channels = shape
+        if self.format in HEAD_ROTATED_FORMATS:
+            return (tokens, heads, 1)
+        if self.axis == "channel":
+            return (math.ceil(tokens / self.group_size), heads, channels)
+        return (tokens, heads, math.ceil(channels / self.group_size))
+
+    def payload_bytes_per_row(self, channels: int) -> int:
+        """Payload bytes of one (token, head) row of ``channels`` elements."""
+        return (channels * CODE_BITS[self.format] + 7) // 8
+
+    def nbytes(self, shape: tuple[int, int, int]) -> int:
+        """Exact bytes stored for a logical ``[tokens, kv_heads, channels]`` tensor."""
+        tokens, heads, channels = shape
+        payload = tokens * heads * self.payload_bytes_per_row(channels)
+        groups = math.prod(self.metadata_shape(shape))
+        metadata = groups * METADATA_BITS[self.format] // 8
+        if self.format == "nvfp4":
+            metadata += 4  # the float32 tensor scale
+        return payload + metadata
+
+    def bits_per_element(self, shape: tuple[int, int, int] | None = None) -> float:
+        """Storage bits per element; without a shape, the asymptotic figure for full groups."""
+        if shape is None:
+            return CODE_BITS[self.format] + METADATA_BITS[self.format] / self.group_size
+        return 8.0 * self.nbytes(shape) / math.prod(shape)
+
+
+INT4_KEYS = CodecSpec("int4", "channel", 64)
+"""FlashLoop's key format: INT4, per channel over 64-token groups."""
+INT4_VALUES = CodecSpec("int4", "token", 64)
+"""FlashLoop's value format: INT4, per token over 64-channel groups."""
+NVFP4 = CodecSpec("nvfp4", "token", NVFP4_BLOCK_SIZE)
+"""NVFP4: E2M1 codes, E4M3 scale per 16 channels, float32 tensor scale."""
+
+
+def int4_rotated(head_dim: int, seed: int = 0) -> CodecSpec:
+    """vLLM-style INT4 per (token, head) after a randomized Hadamard rotation (4 + 32/D bits)."""
+    return CodecSpec("int4_rotated", "token", head_dim, rotation_seed=seed)
+
+
+def int2_lloyd_max(head_dim: int, seed: int = 0) -> CodecSpec:
+    """2-bit Lloyd-Max N(0,1) levels per (token, head) after a randomized Hadamard (2 + 16/D bits)."""
+    return CodecSpec("int2_lloyd_max", "token", head_dim, rotation_seed=seed)
+
+
+E8_KEYS = CodecSpec("e8", "token", 64)
+"""rk2v4-e8 keys: normalized Hadamard, E8 root codes (2 bits/channel), float16 scale per 64."""
+INT4_GROUP_ROTATED_VALUES = CodecSpec("int4_group_rotated", "token", 64)
+"""rk2v4-e8 values: per-64-group Hadamard, symmetric INT4, float16 scale per 64."""

@@ -1,0 +1,430 @@
+"""Decode attention over a :class:`~jflashloop.PagedKVCache`: the op, its backends and its reference.
+
+One new query token per sequence attends over one loop of the cache.
+:func:`decode_attention` resolves ``implementation`` once
+(:func:`jflashloop.ops._dispatch.call`) among three backends:
+
+* ``"xla"``: :func:`decode_attention_reference`, plain JAX: every sequence's
+  K/V reconstructed densely, float32 softmax attention (the semantic
+  definition the kernels match);
+* ``"pallas"``: the Pallas-Triton kernel
+  (``jflashloop_pallas_kernels.decode_attention``): every fused format, loop
+  chains with sparse streams; interpret mode off a GPU;
+* ``"gluon"``: the Gluon kernel (``jflashloop_triton_kernels.decode_attention``,
+  through ``jax_triton``; GPU only).
+
+The automatic order on a GPU is Gluon (where :func:`gluon_is_default`),
+then Pallas, then the reference; elsewhere the reference. A backend that
+cannot read the cache raises ``NotImplementedError`` and the next one runs;
+an explicit choice raises it to the caller.
+
+The kernels read the cache's arrays in place (:func:`kernel_inputs`) and
+its static stream formats (:func:`loop_formats`, the one conversion from
+:class:`~jflashloop.CodecSpec` to the kernels' descriptors); with rotated
+streams the queries and windows are rotated outside the kernel and the
+output rotated back (:func:`rotated_inputs`, :func:`unrotated_output`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jflashloop_pallas_kernels import decode_attention as pallas_decode
+from jflashloop_triton_kernels import call as triton_call
+from jflashloop_triton_kernels import decode_attention as gluon_decode
+
+from ..cache._config import CacheConfig
+from ..cache._inspect import reconstruct, sequence_regions
+from ..cache._layout import PagedKVCache, PagedStream
+from ..cache._regions import regions, stored_pages, visible_tokens
+from ..codecs import CodecSpec, rotate, unrotate
+from . import _dispatch
+
+FUSED_FORMATS = pallas_decode.FUSED_FORMATS
+BACKENDS = ("xla", "pallas", "gluon")
+
+
+def check_arguments(queries, cache: PagedKVCache, layer: int, loop: int) -> None:
+    """Raise ``TypeError`` for a non-floating query dtype, ``ValueError`` naming
+    the expected shapes and index ranges (every backend runs this check, once)."""
+    c = cache.config
+    if not jnp.issubdtype(queries.dtype, jnp.floating):
+        raise TypeError(f"queries must have a floating dtype (float32, bfloat16, float16), got {queries.dtype}")
+    if queries.ndim != 3:
+        raise ValueError(f"queries must have rank 3 [max_sequences, q_heads, head_dim], got {tuple(queries.shape)}")
+    sequences, q_heads, head_dim = queries.shape
+    if sequences != c.max_sequences or head_dim != c.head_dim or q_heads % c.num_kv_heads:
+        raise ValueError(
+            f"queries must be [max_sequences={c.max_sequences}, q_heads (a multiple of "
+            f"{c.num_kv_heads}), head_dim={c.head_dim}], got {tuple(queries.shape)}"
+        )
+    if not (0 <= layer < c.num_layers and 0 <= loop < c.num_loops):
+        raise ValueError(f"layer must be in [0, {c.num_layers}) and loop in [0, {c.num_loops}), got {layer}, {loop}")
+
+
+def decode_attention_reference(
+    queries: jax.Array, cache: PagedKVCache, layer: int, loop: int, *, include_pending: bool = True,
+    scale: float | None = None,
+) -> jax.Array:
+    """One new query token per sequence attending over its loop-``loop`` K/V.
+
+    Plain JAX: reconstructs every sequence's K/V densely (the semantic
+    definition that the fused kernels match) and runs float32 softmax
+    attention at ``HIGHEST`` matmul precision.
+
+    Args:
+      queries: ``[max_sequences, q_heads, head_dim]``, a floating dtype (read
+        as float32); ``q_heads`` is a multiple of ``kv_heads`` and query head
+        ``h`` reads KV head ``h // (q_heads // kv_heads)`` (GQA).
+      cache: the cache.
+      layer, loop: 0-based Python ints.
+      include_pending: attend to the token written by ``write_token`` but not
+        yet committed (the usual decode step), i.e. ``lengths + 1`` positions
+        (see :func:`jflashloop.paged_cache.visible_tokens`: an inactive slot
+        sees nothing, a full sequence does not see its dropped token).
+      scale: softmax scale, default ``1 / sqrt(head_dim)``.
+    Returns:
+      float32 ``[max_sequences, q_heads, head_dim]``; zeros for a sequence with
+      no visible token (an inactive slot, whatever ``include_pending`` says).
+    """
+    check_arguments(queries, cache, layer, loop)
+    return _reference(queries, cache, layer, loop, include_pending=include_pending, scale=scale)
+
+
+def _reference(queries, cache: PagedKVCache, layer: int, loop: int, *, include_pending: bool, scale):
+    """:func:`decode_attention_reference` after its argument checks."""
+    c = cache.config
+    sequences, q_heads, head_dim = queries.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    group = q_heads // c.num_kv_heads
+
+    def one_sequence(query, slot):
+        keys, values, _ = reconstruct(cache, layer, loop, slot, include_pending=include_pending)
+        regions = sequence_regions(cache, slot, include_pending=include_pending)
+        valid = regions["sink"] | regions["ring"] | regions["pages"]
+        seen = jnp.any(valid)
+        keys = jnp.repeat(keys, group, axis=1)  # [T, q_heads, D]
+        values = jnp.repeat(values, group, axis=1)
+        scores = jnp.einsum(
+            "hd,thd->ht", query.astype(jnp.float32), keys, precision=jax.lax.Precision.HIGHEST
+        ) * scale
+        scores = jnp.where(valid[None, :], scores, -jnp.inf)
+        top = jnp.max(scores, axis=-1, keepdims=True)
+        weights = jnp.where(valid[None, :], jnp.exp(scores - jnp.where(seen, top, 0.0)), 0.0)
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        out = jnp.einsum("ht,thd->hd", weights, values, precision=jax.lax.Precision.HIGHEST)
+        return jnp.where(seen, out / jnp.where(total > 0, total, 1.0), 0.0)
+
+    return jax.vmap(one_sequence)(queries, jnp.arange(sequences))
+
+
+# --------------------------------------------------------------------------- what the kernels read
+
+
+def stream_format(spec: CodecSpec, rows: int) -> pallas_decode.StreamFormat:
+    """The kernels' static descriptor of one stream: the one adapter from a :class:`CodecSpec`."""
+    return pallas_decode.StreamFormat(spec.format, spec.axis, spec.group_size, rows)
+
+
+def loop_formats(config: CacheConfig, loop: int) -> tuple[pallas_decode.LoopFormat, ...]:
+    """The static stream formats of loops ``0..loop`` (the kernels' ``loops`` argument)."""
+    return tuple(
+        pallas_decode.LoopFormat(
+            stream_format(config.loops[i].key_spec, config.rows(i)),
+            stream_format(config.loops[i].value_spec, config.rows(i)),
+            config.loops[i].is_sparse,
+        )
+        for i in range(loop + 1)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """What a fused kernel needs to know of loops ``0..loop``, worked out once per call.
+
+    Attributes:
+      loops: :func:`loop_formats`.
+      key_seed, value_seed: the rotation seed of every K (V) stream when they
+        are all ``int4_rotated`` with one seed, else None (no stream rotated).
+    """
+
+    loops: tuple[pallas_decode.LoopFormat, ...]
+    key_seed: int | None
+    value_seed: int | None
+
+
+@functools.cache
+def kernel_plan(config: CacheConfig, loop: int) -> KernelPlan:
+    """The :class:`KernelPlan` of loops ``0..loop`` (static, so worked out once per config and loop).
+
+    Raises:
+      NotImplementedError: a stream no fused kernel reads (lattice and INT2
+        formats), a chain not in one basis (either no stream is rotated, or
+        every K (or V) stream is ``int4_rotated`` with one seed), or a layout
+        the Pallas kernel does not read (its ``unsupported_reason``).
+    """
+    seeds = []
+    for role in ("key_spec", "value_spec"):
+        specs = [getattr(config.loops[i], role) for i in range(loop + 1)]
+        unsupported = [s.format for s in specs if s.format not in FUSED_FORMATS]
+        if unsupported:
+            raise NotImplementedError(f"the fused kernel does not read {unsupported[0]!r} streams")
+        rotated = {s.rotation_seed for s in specs if s.format == "int4_rotated"}
+        if rotated and (len(rotated) > 1 or any(s.format != "int4_rotated" for s in specs)):
+            raise NotImplementedError(
+                "the fused kernel needs every stream of a chain in one basis: all int4_rotated with one "
+                "seed, or none rotated"
+            )
+        seeds.append(rotated.pop() if rotated else None)
+    loops = loop_formats(config, loop)
+    reason = pallas_decode.unsupported_reason(loops, config.head_dim, config.page_size)
+    if reason:
+        raise NotImplementedError(reason)
+    return KernelPlan(loops, seeds[0], seeds[1])
+
+
+def kernel_rotations(cache: PagedKVCache, loop: int) -> tuple[int | None, int | None]:
+    """``(key_seed, value_seed)`` of :func:`kernel_plan` (raises its ``NotImplementedError``)."""
+    plan = kernel_plan(cache.config, loop)
+    return plan.key_seed, plan.value_seed
+
+
+def _stream_arrays(stream: PagedStream) -> dict[str, jax.Array | None]:
+    return {"payload": stream.payload, "scale": stream.scale, "minimum": stream.minimum,
+            "global_scale": stream.global_scale}
+
+
+def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: bool) -> dict:
+    """The arrays and static formats the fused kernels read for (``layer``, ``loop``).
+
+    ``bounds`` is int32 ``[max_sequences, 2]``: per sequence the visible
+    tokens ``n`` and ``pages_end`` of its :func:`~jflashloop.paged_cache.regions`.
+    The kernels read positions ``sink_tokens <= t < pages_end`` from pages,
+    through block-table columns below ``ceil(pages_end / page_size)``, and
+    from the ring the positions ``>= pages_end`` among the latest
+    ``window_tokens`` before ``n``. Since ``pages_end`` never passes a
+    sequence's first lost page, every block-table entry a kernel reads holds
+    one of the sequence's own pages (never -1), and it attends exactly to
+    :func:`jflashloop.paged_cache.sequence_regions`.
+    """
+    c = cache.config
+    pool = cache.layers[layer]
+    visible = visible_tokens(cache, include_pending=include_pending)
+    pages_end = regions(c, cache.lengths, visible, stored_pages(cache)).pages_end
+    streams = tuple(
+        {"keys": _stream_arrays(tiles.keys), "values": _stream_arrays(tiles.values),
+         "row_positions": tiles.row_positions}
+        for tiles in pool.loops[: loop + 1]
+    )
+    # The windows go in whole ([loops, sequences, heads, tokens, D]); the
+    # kernel reads entry ``window_loop``, so no slice is copied.
+    return dict(
+        block_tables=cache.block_tables,
+        bounds=jnp.stack([visible, pages_end], axis=1).astype(jnp.int32),
+        streams=streams,
+        sink_keys=pool.sink_keys if c.sink_tokens else None,
+        sink_values=pool.sink_values if c.sink_tokens else None,
+        ring_keys=pool.ring_keys,
+        ring_values=pool.ring_values,
+        window_loop=loop,
+        loops=loop_formats(c, loop),
+    )
+
+
+def rotated_inputs(queries, cache: PagedKVCache, loop: int, inputs: dict, plan: KernelPlan | None = None):
+    """Queries and windows in the streams' basis for a fused kernel.
+
+    Returns ``(queries, windows, window_loop, value_seed)``: with rotated key
+    streams the queries are rotated (``q . k = (Rq) . (Rk)``) and so are this
+    loop's windows (then passed alone, ``window_loop`` 0); ``value_seed`` is
+    what :func:`unrotated_output` needs. ``plan`` defaults to :func:`kernel_plan`.
+    """
+    plan = kernel_plan(cache.config, loop) if plan is None else plan
+    key_seed, value_seed = plan.key_seed, plan.value_seed
+    windows = {name: inputs[name] for name in ("sink_keys", "sink_values", "ring_keys", "ring_values")}
+    window_loop = inputs["window_loop"]
+    if key_seed is not None or value_seed is not None:  # rotate this loop's windows into the streams' basis
+        window_loop = 0
+        for name, seed in (("sink_keys", key_seed), ("ring_keys", key_seed),
+                           ("sink_values", value_seed), ("ring_values", value_seed)):
+            array = windows[name]
+            if array is not None:
+                array = array[loop:loop + 1]
+                windows[name] = rotate(array.astype(jnp.float32), seed) if seed is not None else array
+    if key_seed is not None:
+        queries = rotate(queries.astype(jnp.float32), key_seed)
+    return queries, windows, window_loop, value_seed
+
+
+def unrotated_output(output, value_seed):
+    """The kernel's output back in the natural basis: ``sum_t p_t R v_t = R (sum_t p_t v_t)``."""
+    return output if value_seed is None else unrotate(output, value_seed)
+
+
+# --------------------------------------------------------------------------- the backends
+
+
+def gluon_is_default(config: CacheConfig, loop: int) -> bool:
+    """Whether the automatic choice on a GPU tries the Gluon kernel first.
+
+    Wherever it reads the cache (the dispatch falls back to the Pallas kernel
+    where it raises ``NotImplementedError``): it was measured faster than the
+    Pallas kernel for every fused format (int4, nvfp4, int4_rotated) and for
+    loops 2 and 4 of the FlashLoop chain (``bench/RESULTS.md``, device time on
+    an H200).
+    """
+    del config, loop
+    return True
+
+
+def _gluon_plan(queries, cache: PagedKVCache, loop: int, interpret: bool = False) -> KernelPlan:
+    """The :class:`KernelPlan`, or ``NotImplementedError`` saying why the Gluon kernel cannot serve the call."""
+    if not _dispatch.on_gpu():
+        raise NotImplementedError("the Gluon kernel runs on CUDA GPUs only")
+    if interpret:
+        raise NotImplementedError("the Gluon kernel has no interpret mode (its CPU emulation is for tests)")
+    if not triton_call.available():
+        raise NotImplementedError("the Gluon kernel needs jax_triton (pip install jax-triton)")
+    c = cache.config
+    if queries.ndim != 3 or queries.shape[1] % c.num_kv_heads:
+        raise NotImplementedError("queries must be [max_sequences, q_heads, head_dim]")
+    plan = kernel_plan(c, loop)
+    reason = gluon_decode.unsupported_reason(plan.loops, c.head_dim, c.page_size, queries.shape[1] // c.num_kv_heads)
+    if reason:
+        raise NotImplementedError(reason)
+    return plan
+
+
+def gluon_unsupported_reason(queries, cache: PagedKVCache, loop: int) -> str | None:
+    """Why the Gluon kernel cannot serve this call, or None (it needs a GPU and ``jax_triton``)."""
+    try:
+        _gluon_plan(queries, cache, loop)
+    except NotImplementedError as error:
+        return str(error)
+    return None
+
+
+def _softmax_scale(head_dim: int, scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def _gluon(queries, cache, layer, loop, *, include_pending, scale, kernel_config, interpret):
+    plan = _gluon_plan(queries, cache, loop, interpret)
+    c = cache.config
+    inputs = kernel_inputs(cache, layer, loop, include_pending)
+    queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)
+    options = {}
+    if kernel_config is not None:
+        options = dict(splits=kernel_config.num_splits, target_programs=kernel_config.target_programs)
+        if kernel_config.products == "float32":  # the most precise products: float16 query pairs
+            options["precise"] = True
+    output = gluon_decode.paged_decode_attention(
+        queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], windows["sink_keys"],
+        windows["sink_values"], windows["ring_keys"], windows["ring_values"], loops=plan.loops,
+        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=window_loop,
+        scale=_softmax_scale(c.head_dim, scale), **options)
+    return unrotated_output(output, value_seed)
+
+
+def _pallas(queries, cache, layer, loop, *, include_pending, scale, kernel_config, interpret, poison):
+    plan = kernel_plan(cache.config, loop)
+    c = cache.config
+    inputs = kernel_inputs(cache, layer, loop, include_pending)
+    queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)
+    output = pallas_decode.paged_decode_attention(
+        queries,
+        inputs["block_tables"],
+        inputs["bounds"],
+        inputs["streams"],
+        windows["sink_keys"],
+        windows["sink_values"],
+        windows["ring_keys"],
+        windows["ring_values"],
+        loops=plan.loops,
+        page_size=c.page_size,
+        sink_tokens=c.sink_tokens,
+        window_loop=window_loop,
+        scale=_softmax_scale(c.head_dim, scale),
+        config=kernel_config or pallas_decode.KernelConfig(),
+        interpret=interpret,
+        poison=poison,
+    )
+    return unrotated_output(output, value_seed)
+
+
+def decode_attention(
+    queries: jax.Array,
+    cache: PagedKVCache,
+    layer: int,
+    loop: int,
+    *,
+    include_pending: bool = True,
+    scale: float | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+    kernel_config=None,
+    poison_for_tests: bool = False,
+) -> jax.Array:
+    """Decode attention over a :class:`~jflashloop.PagedKVCache` (fused on GPU).
+
+    Same contract as :func:`decode_attention_reference`.
+
+    Args:
+      queries: ``[max_sequences, q_heads, head_dim]``.
+      cache, layer, loop, include_pending, scale: as for the reference.
+      implementation: ``None`` (on a GPU the Gluon kernel wherever it reads
+        the cache and ``jax_triton`` is installed, else the Pallas kernel; the reference
+        path elsewhere and wherever no kernel reads the cache; see
+        :func:`gluon_is_default`), ``"gluon"`` (the Gluon kernel: INT4,
+        NVFP4 or ``int4_rotated``, one loop or a chain; GPU only),
+        ``"pallas"`` (the Pallas kernel; interpret mode off GPU, slow, for
+        tests), or ``"xla"`` (the reference path).
+      interpret: run the Pallas kernel in interpret mode; None: off a GPU only
+        (True runs the kernel's logic in interpret mode on a GPU host too).
+      kernel_config: ``jflashloop_pallas_kernels.decode_attention.KernelConfig``
+        (block sizes, splits, warps); None uses the measured defaults. The
+        Gluon kernel takes its ``num_splits`` and ``target_programs``, and
+        reads ``products="float32"`` as a request for its most precise
+        products (the query and scaled query as float16 pairs at every
+        head_dim).
+      poison_for_tests: fill the Pallas kernel's partial outputs with NaN
+        first, so an element it fails to write shows up as NaN.
+    Returns:
+      float32 ``[max_sequences, q_heads, head_dim]``. The fused kernels match
+      the reference within a relative error (Frobenius norm) per sequence of
+      typically 2e-4: codes enter their matrix products exactly, decoded
+      values and probabilities are rounded to float16, and they accumulate in
+      float32. The Gluon kernel holds the query and the scaled query as
+      float16 pairs (2e-4 also on keys with outlier channels and large
+      per-channel offsets); the Pallas kernel rounds them to float16, which
+      stays within 2e-3 on typical caches but reached 2.1e-3 to 2.4e-3 at
+      head_dim 64 on such outlier keys with sharp attention
+      (``KernelConfig(products="float32")`` keeps float32 operands). Decoded
+      K/V must lie within +-65504.
+    Raises:
+      TypeError: queries of a non-floating dtype (int, bool, complex).
+      ValueError: queries of the wrong shape, layer or loop out of range, an
+        unknown ``implementation``.
+      NotImplementedError: an explicit ``implementation`` that cannot read
+        the cache (the automatic choice falls back to the next backend instead).
+    """
+    if implementation is not None and implementation not in BACKENDS:
+        _dispatch.resolve(implementation, choices=BACKENDS)  # raises the ValueError naming the choices
+    check_arguments(queries, cache, layer, loop)
+    common = dict(include_pending=include_pending, scale=scale)
+    kernels = dict(common, kernel_config=kernel_config)
+    backends = {
+        "xla": lambda chosen: _reference(queries, cache, layer, loop, **common),
+        "pallas": lambda chosen: _pallas(queries, cache, layer, loop, **kernels, interpret=chosen.interpret,
+                                         poison=poison_for_tests),
+        "gluon": lambda chosen: _gluon(queries, cache, layer, loop, **kernels, interpret=chosen.interpret),
+    }
+    automatic = ("xla",)
+    if _dispatch.on_gpu():
+        automatic = ("gluon", "pallas", "xla") if gluon_is_default(cache.config, loop) else ("pallas", "xla")
+    return _dispatch.call(implementation, backends, automatic=automatic, interpret=interpret)
