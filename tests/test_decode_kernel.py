@@ -21,8 +21,7 @@ from jflashloop.paged_stream import encode_tiles
 from jflashloop_pallas_kernels import quantize
 from jflashloop_pallas_kernels.decode_attention import KernelConfig
 from tests.bits import assert_bits_equal
-from tests.cases import CASES
-from tests.test_paged_cache import (
+from tests.builders import (
     HEAD_DIM,
     build,
     hole_cache,
@@ -33,6 +32,7 @@ from tests.test_paged_cache import (
     small_config,
     tiny_config,
 )
+from tests.cases import CASES
 
 ON_GPU = jax.default_backend() == "gpu"
 # Kernel vs the reference path on the same codes. In interpret mode the logic

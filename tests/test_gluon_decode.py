@@ -25,7 +25,7 @@ from jflashloop.attention import (
     unrotated_output,
 )
 from jflashloop.cache_config import LoopStorage
-from tests.test_paged_cache import build, small_config
+from tests.builders import build, small_config
 
 pytest.importorskip("triton.experimental.gluon")
 

@@ -13,6 +13,7 @@ import jflashloop
 import jflashloop_reference.rotations as oracle
 from jflashloop import codec_spec, rotated_codecs, storage
 from tests.bits import assert_bits_equal
+from tests.builders import assert_matches_oracle, build, small_config
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPLEMENTATIONS = ["pallas"] if ON_GPU else ["xla", "pallas"]
@@ -146,7 +147,6 @@ def test_bad_rotated_specs(kwargs, message):
 
 def _rotated_config(key_spec, value_spec):
     from jflashloop.cache_config import LoopStorage
-    from tests.test_paged_cache import small_config
 
     base = small_config(head_dim=64, num_loops=3)
     loops = (LoopStorage(key_spec, value_spec), LoopStorage(key_spec, value_spec), LoopStorage(key_spec, value_spec, 4))
@@ -163,8 +163,6 @@ def _rotated_config(key_spec, value_spec):
     ids=["int4_rotated", "int2", "rk2v4_e8"],
 )
 def test_rotated_formats_in_the_cache_match_the_oracle(rng, key_spec, value_spec):
-    from tests.test_paged_cache import assert_matches_oracle, build
-
     config = _rotated_config(key_spec, value_spec)
     # 40 + 9 tokens cross the 48-token page boundary while appending.
     cache, history = build(rng, config, prompt_lengths=[40, 19], steps=9)
@@ -173,7 +171,6 @@ def test_rotated_formats_in_the_cache_match_the_oracle(rng, key_spec, value_spec
 
 def test_int4_rotated_fused_kernel_matches_reference(rng):
     from jflashloop.attention import decode_attention
-    from tests.test_paged_cache import build
 
     config = _rotated_config(codec_spec.int4_rotated(64, 1), codec_spec.int4_rotated(64, 2))
     cache, _ = build(rng, config, prompt_lengths=[70, 23, 64], steps=2)
@@ -192,7 +189,6 @@ def test_int4_rotated_fused_kernel_matches_reference(rng):
 
 def test_formats_without_a_fused_kernel_fall_back(rng):
     from jflashloop.attention import decode_attention
-    from tests.test_paged_cache import build
 
     config = _rotated_config(codec_spec.E8_KEYS, codec_spec.INT4_GROUP_ROTATED_VALUES)
     cache, _ = build(rng, config, prompt_lengths=[30], steps=0)
