@@ -11,7 +11,9 @@ Three levels, each against an unquantized reference:
   as pages fill), from which :func:`logit_kl`, :func:`agreement` and
   :func:`negative_log_likelihoods` give the end-to-end effect.
 
-A :class:`Policy` names one cache layout (codecs, windows, page size).
+A :class:`~jflashloop.cache_config.Policy` names one cache layout (codecs,
+windows, page size) and makes its :class:`CacheConfig` for a model's shape;
+the policies below are the ones bench/QUALITY.md compares.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import paged_cache, storage
-from .cache_config import CacheConfig, LoopStorage
+from . import paged_cache
+from .cache_config import CacheConfig, Policy
 from .codec_spec import (
     E8_KEYS,
     INT4_GROUP_ROTATED_VALUES,
@@ -36,44 +38,6 @@ from .codec_spec import (
     int2_lloyd_max,
     int4_rotated,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """A one-loop cache layout to evaluate.
-
-    Attributes:
-      name: label used in tables and plots.
-      key_spec, value_spec: the codecs.
-      sink_tokens, recent_tokens: unquantized windows.
-      page_size: tokens per page.
-    """
-
-    name: str
-    key_spec: CodecSpec = INT4_KEYS
-    value_spec: CodecSpec = INT4_VALUES
-    sink_tokens: int = 4
-    recent_tokens: int = 16
-    page_size: int = 64
-
-    def cache_config(
-        self, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int, max_sequences: int = 1
-    ) -> CacheConfig:
-        """A :class:`CacheConfig` holding ``max_sequences`` sequences of ``max_tokens`` tokens."""
-        pages_per_sequence = math.ceil(max_tokens / self.page_size)
-        return CacheConfig(
-            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            num_pages=pages_per_sequence * max_sequences, max_sequences=max_sequences,
-            max_pages_per_sequence=pages_per_sequence,
-            loops=(LoopStorage(self.key_spec, self.value_spec),), page_size=self.page_size,
-            sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
-        )
-
-    def bits_per_element(self, num_kv_heads: int, head_dim: int) -> float:
-        """Storage bits per K/V element in full pages (windows excluded)."""
-        config = self.cache_config(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, max_tokens=64)
-        return 8 * storage.bytes_per_token(config) / (2 * num_kv_heads * head_dim)
-
 
 DEFAULT_POLICY = Policy("INT4 G64, K per channel, V per token, windows 4/16")
 """The library's default layout: :class:`CacheConfig`'s defaults (INT4 G64, K per

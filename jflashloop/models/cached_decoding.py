@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import generation, paged_cache
-from ..quality import Policy
+from ..cache_config import Policy
 from . import llama
 
 Decoder = Callable[[jax.Array, jax.Array, object], tuple[jax.Array, object]]
