@@ -46,8 +46,8 @@ import numpy as np
 
 from . import paged_cache, storage
 from .cache_config import CacheConfig
-from .generation import looped_paged_attention_hook
 from .models import ouro
+from .models.cache_hooks import looped_paged_attention_hook
 from .models.checkpoint import Checkpoint, load_checkpoint
 from .models.stdlib_text import HELD_OUT_EVERY, default_root, load_corpus
 from .paged_cache import PagedKVCache

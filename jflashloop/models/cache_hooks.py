@@ -1,7 +1,10 @@
 """Attention hooks that run a model's decode step on a :class:`~jflashloop.PagedKVCache`.
 
 The models in :mod:`jflashloop.models` delegate attention to a hook called
-once per layer (per (loop, layer) for looped models) during a decode step.
+once per layer (per (loop, layer) for looped models) during a decode step
+(:func:`jflashloop.models.llama.decode_step`,
+:func:`jflashloop.models.ouro.decode_step`); these hooks give that
+signature a paged cache, so they live beside the models they serve.
 These hooks write the new token's K/V into the cache's unquantized ring
 (``write_token``), attend with :func:`jflashloop.decode_attention` (the fused
 kernel on GPU, the reference path elsewhere) and, after the last call of the
@@ -14,9 +17,9 @@ import functools
 
 import jax
 
-from . import paged_cache
-from .attention import decode_attention
-from .paged_cache import PagedKVCache
+from .. import paged_cache
+from ..attention import decode_attention
+from ..paged_cache import PagedKVCache
 
 
 @functools.cache
