@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jflashloop import cli
+from jflashloop.apps import cli
 
 
 def test_codecs_command_prints_every_format(capsys):

@@ -8,8 +8,10 @@ Three levels, each against an unquantized reference:
   cache's reconstruction);
 * :func:`teacher_forced_logits`: next-token logits of a model decoding a
   fixed token sequence one token at a time through a cache (quantize-on-write
-  as pages fill), from which :func:`logit_kl`, :func:`agreement` and
-  :func:`negative_log_likelihoods` give the end-to-end effect.
+  as pages fill), from which the logit measures of
+  :mod:`jflashloop.apps.float64_metrics` (``kl_divergence``,
+  ``next_token_agreement``, ``negative_log_likelihoods``) give the end-to-end
+  effect.
 
 A :class:`~jflashloop.cache_config.Policy` names one cache layout (codecs,
 windows, page size) and makes its :class:`CacheConfig` for a model's shape;
@@ -19,16 +21,15 @@ the policies below are the ones bench/QUALITY.md compares.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import paged_cache
-from .cache_config import CacheConfig, Policy
-from .codec_spec import (
+from .. import paged_cache
+from ..cache_config import CacheConfig, Policy
+from ..codec_spec import (
     E8_KEYS,
     INT4_GROUP_ROTATED_VALUES,
     INT4_KEYS,
@@ -38,6 +39,7 @@ from .codec_spec import (
     int2_lloyd_max,
     int4_rotated,
 )
+from .float64_metrics import causal_attention_float64, relative_error
 
 DEFAULT_POLICY = Policy("INT4 G64, K per channel, V per token, windows 4/16")
 """The library's default layout: :class:`CacheConfig`'s defaults (INT4 G64, K per
@@ -82,39 +84,6 @@ def standard_policies() -> list[Policy]:
 # --------------------------------------------------------------------------
 # Reconstruction and attention-output error
 # --------------------------------------------------------------------------
-
-
-def relative_error(estimate, exact, axis) -> np.ndarray:
-    """``||estimate - exact|| / ||exact||`` over ``axis`` (float64)."""
-    estimate, exact = np.asarray(estimate, np.float64), np.asarray(exact, np.float64)
-    return np.linalg.norm(estimate - exact, axis=axis) / np.maximum(np.linalg.norm(exact, axis=axis), 1e-300)
-
-
-def causal_attention_float64(queries, keys, values, query_positions) -> np.ndarray:
-    """float64 attention of queries at ``query_positions`` over keys ``[0, position]``.
-
-    Args:
-      queries: ``[Q, q_heads, D]``; keys, values: ``[T, kv_heads, D]`` (GQA:
-        query head ``h`` reads KV head ``h // (q_heads // kv_heads)``).
-      query_positions: int ``[Q]``.
-    Returns:
-      float64 ``[Q, q_heads, D]``.
-    """
-    queries = np.asarray(queries, np.float64)
-    keys = np.asarray(keys, np.float64)
-    values = np.asarray(values, np.float64)
-    q_heads, head_dim = queries.shape[1:]
-    group = q_heads // keys.shape[1]
-    keys = np.repeat(keys, group, axis=1)
-    values = np.repeat(values, group, axis=1)
-    scores = np.einsum("qhd,thd->qht", queries, keys) / math.sqrt(head_dim)
-    tokens = np.arange(keys.shape[0])
-    allowed = tokens[None, None, :] <= np.asarray(query_positions)[:, None, None]
-    scores = np.where(allowed, scores, -np.inf)
-    scores -= scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores)
-    weights /= weights.sum(axis=-1, keepdims=True)
-    return np.einsum("qht,thd->qhd", weights, values)
 
 
 _prefill = jax.jit(paged_cache.prefill)
@@ -208,27 +177,3 @@ def teacher_forced_logits(
         if progress is not None:
             progress()
     return np.stack(rows), state
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    logits = np.asarray(logits, np.float64)
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-
-def logit_kl(reference_logits, logits) -> np.ndarray:
-    """``KL(softmax(reference) || softmax(logits))`` per row, in nats (float64)."""
-    reference = _log_softmax(reference_logits)
-    other = _log_softmax(logits)
-    return np.sum(np.exp(reference) * (reference - other), axis=-1)
-
-
-def agreement(reference_logits, logits) -> float:
-    """Fraction of rows whose argmax agrees."""
-    return float(np.mean(np.argmax(reference_logits, -1) == np.argmax(logits, -1)))
-
-
-def negative_log_likelihoods(logits, targets) -> np.ndarray:
-    """Per-row negative log-likelihood (nats) of ``targets`` int ``[N]``."""
-    log_probabilities = _log_softmax(logits)
-    return -log_probabilities[np.arange(len(targets)), np.asarray(targets)]

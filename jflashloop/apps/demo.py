@@ -12,24 +12,19 @@ per element for the standard cache policies (bench/QUALITY.md).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import jax
 import numpy as np
 
-from . import quality, storage
-from .quality import Policy
+from .. import storage
+from ..cache_config import Policy
+from ..models import cached_decoding, gguf_loader, llama
+from . import quality
+from .float64_metrics import kl_divergence, negative_log_likelihoods, next_token_agreement
+from .progress import bar as _progress
 
 QUESTION = "Through which capital cities does the Danube flow?"
-
-
-def _progress(total: int, description: str):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the demo extra installs tqdm; run without a bar otherwise
-        return None
-    return tqdm(total=total, desc=description, leave=False, disable=not sys.stderr.isatty())
 
 
 def _bf16_bytes_per_token(config) -> int:
@@ -45,8 +40,6 @@ def _paged_bytes_per_token(policy: Policy, config) -> float:
 
 
 def run(args) -> int:
-    from .models import cached_decoding, gguf_loader
-
     started = time.perf_counter()
     print(f"jflashloop demo on {jax.default_backend()} ({jax.devices()[0].device_kind})", flush=True)
     params, config, tokenizer = gguf_loader.load_smollm2()
@@ -82,15 +75,15 @@ def run(args) -> int:
             decode, state = make(prompt_ids + answer, prefix)
             logits, _ = quality.teacher_forced_logits(decode, prompt_ids + answer, prefix, state, progress=tick)
             logits = np.concatenate([logits, reference_logits[-1:]])[: len(answer)]
-            kl = float(quality.logit_kl(reference_logits[:-1], logits[:-1]).mean())
-            agree = quality.agreement(reference_logits[:-1], logits[:-1])
+            kl = float(kl_divergence(reference_logits[:-1], logits[:-1]).mean())
+            agree = next_token_agreement(reference_logits[:-1], logits[:-1])
         decode, state = make(paragraph_ids, paragraph_prefix)
         jax.block_until_ready(decode(np.asarray([paragraph_ids[paragraph_prefix]], np.int32),
                                      np.asarray([paragraph_prefix], np.int32), state))
         timer = time.perf_counter()
         logits, _ = quality.teacher_forced_logits(decode, paragraph_ids, paragraph_prefix, state, progress=tick)
         tokens_per_second = logits.shape[0] / (time.perf_counter() - timer)
-        nll = quality.negative_log_likelihoods(logits, paragraph_ids[paragraph_prefix + 1:]).mean()
+        nll = negative_log_likelihoods(logits, paragraph_ids[paragraph_prefix + 1:]).mean()
         if bar is not None:
             bar.close()
         per_token = _bf16_bytes_per_token(config) if policy is None else _paged_bytes_per_token(policy, config)
@@ -116,8 +109,6 @@ def run(args) -> int:
 
 
 def _plot(args, params, config, tokenizer) -> None:
-    from .models import gguf_loader, llama
-
     text_ids = tokenizer.encode(gguf_loader.read_data_text("eval_text.txt")).ids[: args.plot_tokens]
     _, keys, values, queries = llama.prefill(params, config, np.asarray(text_ids, np.int32))
     points = []

@@ -1,4 +1,8 @@
-"""The ``jflashloop`` command line: ``demo``, ``codecs``, ``eval``, ``loops``."""
+"""The ``jflashloop`` command line: ``demo``, ``codecs``, ``eval``, ``loops``.
+
+``jflashloop ARGS`` (the console script) and ``python -m jflashloop ARGS`` both
+run :func:`main`.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,17 @@ import argparse
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflashloop
+
+from .. import loops_report as loops
+from . import demo, evaluation
+
 
 def _codec_demo(args) -> int:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import jflashloop
-
     rng = np.random.default_rng(args.seed)
     shape = (args.tokens, args.kv_heads, args.head_dim)
     # K-like data: per-channel offsets and a few outlier channels; V-like: flatter.
@@ -57,41 +64,38 @@ def _add_codec_arguments(command) -> None:
     command.set_defaults(run=_codec_demo)
 
 
-def _delegate(module_name: str):
+def _delegate(command_main):
     def run(args) -> int:
-        import importlib
-
-        return importlib.import_module(module_name).main(args.arguments)
+        return command_main(args.arguments)
 
     return run
 
 
-_DELEGATED = {"eval": "jflashloop.evaluation", "loops": "jflashloop.loops_report"}
+# Commands that parse their own options (including --help).
+_DELEGATED = {
+    "eval": (evaluation.main, "cache policies on SmolLM2's real KV (bench/QUALITY.md)"),
+    "loops": (loops.main, "the looped model on the cross-loop cache"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``jflashloop ARGS`` (``argv``: the arguments after the program name)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in _DELEGATED:  # these parse their own options (including --help)
-        import importlib
-
-        return importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:])
-    parser = argparse.ArgumentParser(prog="jflashloop", description=__doc__)
+    if argv and argv[0] in _DELEGATED:
+        return _DELEGATED[argv[0]][0](argv[1:])
+    parser = argparse.ArgumentParser(prog="jflashloop", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    from . import demo
-
     demo.add_arguments(
         commands.add_parser("demo", help="SmolLM2 with BF16, INT4 and NVFP4 caches: one table and a plot")
     )
     _add_codec_arguments(
         commands.add_parser("codecs", help="encode/decode K/V-like tensors: storage and error")
     )
-    for name, module, text in (
-        ("eval", "jflashloop.evaluation", "cache policies on SmolLM2's real KV (bench/QUALITY.md)"),
-        ("loops", "jflashloop.loops_report", "the looped model on the cross-loop cache"),
-    ):
+    for name, (command_main, text) in _DELEGATED.items():
         command = commands.add_parser(name, help=text, add_help=False)
         command.add_argument("arguments", nargs=argparse.REMAINDER)
-        command.set_defaults(run=_delegate(module))
+        command.set_defaults(run=_delegate(command_main))
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -1,6 +1,6 @@
 """``jflashloop eval``: cache policies compared on SmolLM2-135M's real K/V.
 
-For each :func:`jflashloop.quality.standard_policies` policy, on the shipped
+For each :func:`jflashloop.apps.quality.standard_policies` policy, on the shipped
 English evaluation text (``jflashloop/models/data/eval_text.txt``):
 
 * reconstruction relative error of K and V (per layer and KV head, averaged),
@@ -24,21 +24,14 @@ import time
 import jax
 import numpy as np
 
+from ..models import cached_decoding, gguf_loader, llama
 from . import quality
-
-
-def _bar(total, description):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=description, leave=False, disable=not sys.stderr.isatty())
+from .float64_metrics import kl_divergence, negative_log_likelihoods, next_token_agreement
+from .progress import bar as _bar
 
 
 def evaluate(tokens: int, prefix: int, policies=None) -> tuple[list[dict], dict]:
     """Run every policy; returns (rows, context) for :func:`markdown_table`."""
-    from .models import cached_decoding, gguf_loader, llama
-
     params, config, tokenizer = gguf_loader.load_smollm2()
     text_ids = tokenizer.encode(gguf_loader.read_data_text("eval_text.txt")).ids[:tokens]
     _, keys, values, queries = llama.prefill(params, config, np.asarray(text_ids, np.int32))
@@ -50,7 +43,7 @@ def evaluate(tokens: int, prefix: int, policies=None) -> tuple[list[dict], dict]
                                                  progress=bar.update if bar else None)
     if bar:
         bar.close()
-    reference_nll = float(quality.negative_log_likelihoods(reference, targets).mean())
+    reference_nll = float(negative_log_likelihoods(reference, targets).mean())
     rows = []
     for policy in policies or quality.standard_policies():
         errors = quality.kv_errors(policy, keys, values, queries)
@@ -60,7 +53,7 @@ def evaluate(tokens: int, prefix: int, policies=None) -> tuple[list[dict], dict]
                                                   progress=bar.update if bar else None)
         if bar:
             bar.close()
-        nll = float(quality.negative_log_likelihoods(logits, targets).mean())
+        nll = float(negative_log_likelihoods(logits, targets).mean())
         rows.append({
             "policy": policy.name,
             "bits": policy.bits_per_element(config.num_key_value_heads, config.head_dim),
@@ -70,8 +63,8 @@ def evaluate(tokens: int, prefix: int, policies=None) -> tuple[list[dict], dict]
             "attention_error_worst_layer": float(errors["attention_error"].mean(axis=1).max()),
             "perplexity": float(np.exp(nll)),
             "perplexity_change": float(np.exp(nll) - np.exp(reference_nll)),
-            "kl": float(quality.logit_kl(reference, logits).mean()),
-            "agreement": quality.agreement(reference, logits),
+            "kl": float(kl_divergence(reference, logits).mean()),
+            "agreement": next_token_agreement(reference, logits),
         })
         print(f"{policy.name}: attention error {rows[-1]['attention_error']:.4f}, "
               f"perplexity {rows[-1]['perplexity']:.3f}, KL {rows[-1]['kl']:.5f}", flush=True)

@@ -16,8 +16,9 @@ The loss is the attention-output error (float32 causal attention with the
 model's queries over the fake-quantized K/V, against the unquantized K/V);
 rounding steps pass gradients straight through (``x + stop_gradient(round(x) - x)``).
 
-``python -m jflashloop.calibration`` runs both on SmolLM2-135M and prints the
-held-out gain over the plain min/max (``alpha = 1``, ``gamma = 1``) codecs.
+``python -m jflashloop.apps.calibration`` runs both on SmolLM2-135M and prints
+the held-out gain over the plain min/max (``alpha = 1``, ``gamma = 1``) codecs.
+The fits need optax (``pip install 'jflashloop[calibration]'``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,18 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+
+from ..models import gguf_loader, llama
+
+
+def _optax():
+    """The optax module; a clear error naming the extra when it is not installed."""
+    try:
+        import optax
+    except ImportError as error:
+        raise ImportError(
+            "learned calibration needs optax: pip install 'jflashloop[calibration]'") from error
+    return optax
 
 
 def _round_straight_through(x: jax.Array) -> jax.Array:
@@ -123,6 +135,7 @@ def calibrate_key_clipping(keys, values, queries, *, steps: int = 150, learning_
         calibration tokens, measured); by default one per (layer, KV head),
         broadcast over its channels.
     """
+    optax = _optax()
     positions = _query_positions(keys.shape[1], query_count)
 
     def loss(logits, layer_keys, layer_values, layer_queries):
@@ -153,6 +166,7 @@ def calibrate_key_clipping(keys, values, queries, *, steps: int = 150, learning_
 def calibrate_nvfp4_scale(keys, values, queries, *, steps: int = 100, learning_rate: float = 0.05,
                           query_count: int = 64) -> np.ndarray:
     """Fit ``gamma`` ``[layers, 2]`` (keys, values) multiplying NVFP4's amax-derived global scale."""
+    optax = _optax()
     positions = _query_positions(keys.shape[1], query_count)
 
     def loss(log_gamma, layer_keys, layer_values, layer_queries):
@@ -196,13 +210,11 @@ def held_out_errors(keys, values, queries, alpha=None, gamma=None, query_count: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jflashloop.calibration", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m jflashloop.apps.calibration", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=320, help="tokens per text (a multiple of 64)")
     parser.add_argument("--steps", type=int, default=150)
     args = parser.parse_args(argv)
-    from .models import gguf_loader, llama
-
     params, config, tokenizer = gguf_loader.load_smollm2()
     text = tokenizer.encode(gguf_loader.read_data_text("eval_text.txt")).ids
     calibration_ids, held_out_ids = text[: args.tokens], text[args.tokens : 2 * args.tokens]
