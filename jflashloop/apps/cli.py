@@ -16,8 +16,7 @@ import numpy as np
 
 import jflashloop
 
-from .. import loops_report as loops
-from . import demo, evaluation
+from . import demo, evaluation, loops
 
 
 def _codec_demo(args) -> int:
