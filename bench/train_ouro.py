@@ -51,7 +51,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+
+try:
+    import optax
+except ImportError as error:  # the trainer's one dependency beyond the package's own
+    raise SystemExit("bench/train_ouro.py needs optax: pip install 'jflashloop[train]'") from error
 
 from jflashloop.models import ouro
 from jflashloop.models.checkpoint import save_checkpoint

@@ -31,6 +31,7 @@ from ._errors import PersistenceError as PersistenceError
 from ._errors import SaturationError as SaturationError
 from .cache._config import CacheConfig as CacheConfig
 from .cache._config import LoopStorage as LoopStorage
+from .cache._config import Policy as Policy
 from .cache._config import sparse_loop as sparse_loop
 from .codecs import E8_KEYS as E8_KEYS
 from .codecs import INT4_GROUP_ROTATED_VALUES as INT4_GROUP_ROTATED_VALUES
@@ -70,7 +71,7 @@ def __getattr__(name: str):
 __all__ = [
     "E8_KEYS", "INT4_GROUP_ROTATED_VALUES", "INT4_KEYS", "INT4_VALUES", "NVFP4", "CacheConfig",
     "CacheStateError", "Chain", "CodecSpec", "EncodeStatistics", "LoopStorage",
-    "NonFiniteInputError", "Packed", "PagedKVCache", "PersistenceError", "Residual",
+    "NonFiniteInputError", "Packed", "PagedKVCache", "PersistenceError", "Policy", "Residual",
     "SaturationError", "checked", "codecs", "count_saturations", "decode", "decode_attention",
     "decode_attention_reference", "decode_chain", "decode_loop", "decode_residual", "encode",
     "encode_chain", "encode_residual", "encode_with_statistics", "global_scale_from_amax",

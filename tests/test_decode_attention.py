@@ -31,7 +31,7 @@ from jflashloop.ops import arg_specs
 from jflashloop.ops._decode_attention import gluon_is_default, gluon_unsupported_reason
 from jflashloop_pallas_kernels.decode_attention import KernelConfig
 from tests.bits import assert_bits_equal
-from tests.test_paged_cache import (
+from tests.builders import (
     HEAD_DIM,
     HEADS,
     build,

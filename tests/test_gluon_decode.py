@@ -25,7 +25,7 @@ from jflashloop.ops._decode_attention import (
     rotated_inputs,
     unrotated_output,
 )
-from tests.test_paged_cache import build, small_config
+from tests.builders import build, small_config
 
 pytest.importorskip("triton.experimental.gluon")
 

@@ -18,7 +18,7 @@ from jflashloop.ops._page_quantization import encode_pages, encode_tiles
 from jflashloop_pallas_kernels import quantize
 from tests.bits import assert_bits_equal
 from tests.cases import CASES
-from tests.test_paged_cache import (
+from tests.builders import (
     HEAD_DIM,
     small_config,
 )

@@ -22,7 +22,7 @@ import jflashloop_reference as reference
 from jflashloop import CacheConfig, LoopStorage, paged_cache, persistence
 from jflashloop.codecs import encode_with_statistics
 from tests.bits import assert_bits_equal
-from tests.test_paged_cache import History, oracle_sequence
+from tests.builders import History, oracle_sequence
 
 F32 = np.float32
 FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -14,6 +14,7 @@ import jflashloop_reference.rotations as oracle
 from jflashloop import storage
 from jflashloop.codecs import _rotated as rotated_codecs
 from tests.bits import assert_bits_equal
+from tests.builders import assert_matches_oracle, build, small_config
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPLEMENTATIONS = ["pallas"] if ON_GPU else ["xla", "pallas"]
@@ -147,7 +148,6 @@ def test_bad_rotated_specs(kwargs, message):
 
 def _rotated_config(key_spec, value_spec):
     from jflashloop import LoopStorage
-    from tests.test_paged_cache import small_config
 
     base = small_config(head_dim=64, num_loops=3)
     loops = (LoopStorage(key_spec, value_spec), LoopStorage(key_spec, value_spec), LoopStorage(key_spec, value_spec, 4))
@@ -164,8 +164,6 @@ def _rotated_config(key_spec, value_spec):
     ids=["int4_rotated", "int2", "rk2v4_e8"],
 )
 def test_rotated_formats_in_the_cache_match_the_oracle(rng, key_spec, value_spec):
-    from tests.test_paged_cache import assert_matches_oracle, build
-
     config = _rotated_config(key_spec, value_spec)
     # 40 + 9 tokens cross the 48-token page boundary while appending.
     cache, history = build(rng, config, prompt_lengths=[40, 19], steps=9)

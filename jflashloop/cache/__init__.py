@@ -1,6 +1,7 @@
 """The paged cross-loop KV cache, one module per part (all internal).
 
-* ``_config``: :class:`~jflashloop.CacheConfig`, :class:`~jflashloop.LoopStorage`, ``sparse_loop``;
+* ``_config``: :class:`~jflashloop.CacheConfig`, :class:`~jflashloop.LoopStorage`, ``sparse_loop``,
+  :class:`~jflashloop.Policy` (a named one-loop layout that makes a ``CacheConfig``);
 * ``_layout``: what the cache holds: its pytrees (:class:`~jflashloop.PagedKVCache`
   down to one stream's tiles), the error bits, the tiles' byte layout;
 * ``_regions``: where each token is read from (sink, pages, ring): ``regions()``;

@@ -208,3 +208,78 @@ class CacheConfig:
             max_pages_per_sequence=max_pages_per_sequence, loops=tuple(loops),
             page_size=page_size, **kwargs,
         )
+
+    @classmethod
+    def for_sequences(
+        cls,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_tokens: int,
+        max_sequences: int = 1,
+        **layout,
+    ) -> CacheConfig:
+        """A cache whose pool holds ``max_sequences`` sequences of ``max_tokens`` tokens.
+
+        Each sequence gets ``ceil(max_tokens / page_size)`` pages and the pool
+        exactly that many per sequence.
+
+        Args:
+          num_layers, num_kv_heads, head_dim: model shape.
+          max_tokens: tokens per sequence.
+          max_sequences: sequence slots.
+          **layout: the other fields (``loops``, ``page_size``, ``sink_tokens``,
+            ``recent_tokens``, ``window_dtype``), defaults as in :class:`CacheConfig`.
+        """
+        pages_per_sequence = math.ceil(max_tokens / layout.get("page_size", cls.page_size))
+        return cls(
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            num_pages=pages_per_sequence * max_sequences, max_sequences=max_sequences,
+            max_pages_per_sequence=pages_per_sequence, **layout,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A named one-loop cache layout: a :class:`CacheConfig` factory for any model shape.
+
+    Attributes:
+      name: label used in tables and plots.
+      key_spec, value_spec: the codecs.
+      sink_tokens, recent_tokens: unquantized windows.
+      page_size: tokens per page.
+
+    The defaults are :class:`CacheConfig`'s (INT4 G64, K per channel, V per
+    token, 4 sink and 16 recent tokens, 64-token pages).
+    """
+
+    name: str
+    key_spec: CodecSpec = LoopStorage.key_spec
+    value_spec: CodecSpec = LoopStorage.value_spec
+    sink_tokens: int = CacheConfig.sink_tokens
+    recent_tokens: int = CacheConfig.recent_tokens
+    page_size: int = CacheConfig.page_size
+
+    def cache_config(
+        self, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int, max_sequences: int = 1
+    ) -> CacheConfig:
+        """A :class:`CacheConfig` holding ``max_sequences`` sequences of ``max_tokens`` tokens."""
+        return CacheConfig.for_sequences(
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, max_tokens=max_tokens,
+            max_sequences=max_sequences, loops=(LoopStorage(self.key_spec, self.value_spec),),
+            page_size=self.page_size, sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
+        )
+
+    def bits_per_element(self, num_kv_heads: int, head_dim: int) -> float:
+        """Storage bits per K/V element in full pages (windows excluded).
+
+        Every (page, KV head) tile is encoded on its own, so the figure is that
+        of one tile of K and one of V; ``num_kv_heads`` only takes part in the
+        configuration's validation.
+        """
+        config = self.cache_config(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                   max_tokens=self.page_size)
+        tile = (config.page_size, 1, config.head_dim)
+        stored = config.loops[0]
+        return (stored.key_spec.bits_per_element(tile) + stored.value_spec.bits_per_element(tile)) / 2

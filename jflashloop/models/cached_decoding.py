@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import generation, paged_cache
-from ..quality import Policy
-from . import llama
+from .. import paged_cache
+from .. import Policy
+from . import cache_hooks, llama
 
 Decoder = Callable[[jax.Array, jax.Array, object], tuple[jax.Array, object]]
 
@@ -52,8 +52,8 @@ class CachedModel:
             head_dim=self.config.head_dim, max_tokens=self.max_tokens,
         )
         keys, values = self._prefix_kv(token_ids, prefix)
-        state = jax.jit(generation.prefill_one_loop)(paged_cache.create(config), 0, keys, values, prefix)
-        hook = generation.paged_attention_hook(self.config.num_layers, implementation)
+        state = jax.jit(cache_hooks.prefill_one_loop)(paged_cache.create(config), 0, keys, values, prefix)
+        hook = cache_hooks.paged_attention_hook(self.config.num_layers, implementation)
 
         def decode(token, position, state):
             return llama.decode_step(self.params, self.config, token, position, hook, state)

@@ -35,6 +35,8 @@ FORMAT_NAME = "jflashloop-ouro-checkpoint"
 FORMAT_VERSION = 1
 METADATA_ENTRY = "__metadata__"
 PARAMETER_DTYPE = np.dtype(np.float32)
+PACKAGED_CHECKPOINT = Path(__file__).resolve().parent / "data" / "ouro_tiny.npz"
+"""The looped checkpoint shipped with the package (trained by ``bench/train_ouro.py``)."""
 
 
 class CheckpointError(ValueError):

@@ -9,7 +9,7 @@ therefore depends on the Python version; :attr:`Corpus.description` records
 the version, the file counts and a SHA-256 of both byte streams.
 
 ``bench/train_ouro.py`` trains the tiny looped model on this split and
-:mod:`jflashloop.loops_report` evaluates it on the held-out part.
+:mod:`jflashloop.apps.loops` evaluates it on the held-out part.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from fractions import Fraction
 
 import jax
@@ -12,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jflashloop import loops_report, storage
+from jflashloop import storage
+from jflashloop.apps import loops
 from jflashloop.models import ouro
 from jflashloop.models.checkpoint import load_checkpoint, save_checkpoint
 from jflashloop.models.stdlib_text import default_root, load_corpus
@@ -21,7 +21,7 @@ from jflashloop.models.stdlib_text import default_root, load_corpus
 SMALL = dataclasses.replace(ouro.OuroConfig.tiny(), layers=1, kv_heads=2)
 # The tests share these shapes, so each jitted function compiles once for the file.
 SEQUENCES, TOKENS, PROMPT, GENERATE = 2, 136, 64, 4  # commit packs page 2 at token 128
-QUERIES = loops_report.ReportSettings.query_positions
+QUERIES = loops.ReportSettings.query_positions
 
 # Bounds for the trained checkpoint (jflashloop/models/data/ouro_tiny.npz): the
 # cross-loop cache against four BF16 caches, teacher forced on CHECKPOINT_WINDOWS
@@ -55,46 +55,46 @@ def small_windows() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def comparison():
-    return loops_report.compare_caches(small_params(), SMALL, small_windows(), PROMPT, GENERATE)
+    return loops.compare_caches(small_params(), SMALL, small_windows(), PROMPT, GENERATE)
 
 
 @pytest.fixture(scope="module")
 def prompt_queries():
-    return loops_report.model_queries(small_params(), SMALL,
+    return loops.model_queries(small_params(), SMALL,
                                       jnp.asarray(small_windows()[:, :PROMPT]), QUERIES)
 
 
 def test_settings_validate():
     with pytest.raises(ValueError, match="prompt_tokens"):
-        loops_report.ReportSettings(tokens=64, prompt_tokens=64)
+        loops.ReportSettings(tokens=64, prompt_tokens=64)
     with pytest.raises(ValueError, match="prompt_tokens"):
-        loops_report.ReportSettings(tokens=64, prompt_tokens=8, query_positions=8)
-    assert loops_report.ReportSettings().total_tokens == 512 + 32
+        loops.ReportSettings(tokens=64, prompt_tokens=8, query_positions=8)
+    assert loops.ReportSettings().total_tokens == 512 + 32
 
 
 def test_held_out_windows_are_slices(rng):
     held_out = rng.integers(0, 256, 1000).astype(np.uint8)
-    windows = loops_report.held_out_windows(held_out, 3, 50, seed=7)
+    windows = loops.held_out_windows(held_out, 3, 50, seed=7)
     assert windows.shape == (3, 50) and windows.dtype == np.int32
     text = held_out.tobytes()
     for window in windows:
         assert window.astype(np.uint8).tobytes() in text
-    np.testing.assert_array_equal(windows, loops_report.held_out_windows(held_out, 3, 50, seed=7))
+    np.testing.assert_array_equal(windows, loops.held_out_windows(held_out, 3, 50, seed=7))
 
 
 def test_successive_loop_cosine(rng):
     x = rng.standard_normal((1, 3, 2, 5, 2, 8))
     x = np.concatenate([x, x * 2.0, -x], axis=0)  # loops: x, 2x (cosine 1), -x (cosine -1)
-    cosine = loops_report.successive_loop_cosine(x)
+    cosine = loops.successive_loop_cosine(x)
     assert cosine.shape == (3, 2)
     np.testing.assert_allclose(cosine[:, 0], 1.0, rtol=1e-12)
     np.testing.assert_allclose(cosine[:, 1], -1.0, rtol=1e-12)
 
 
 def test_storage_summary_equals_the_storage_module():
-    config = loops_report.cross_loop_cache_config(ouro.OuroConfig.tiny(), sequences=1,
+    config = loops.cross_loop_cache_config(ouro.OuroConfig.tiny(), sequences=1,
                                                   max_tokens=512)
-    summary = loops_report.storage_summary(config, context_tokens=512)
+    summary = loops.storage_summary(config, context_tokens=512)
     bf16 = storage.unquantized_bytes_per_token(config) * config.num_layers
     cache = storage.bytes_per_token(config) * config.num_layers
     assert summary["bf16_bytes_per_token"] == bf16 == 4 * 4 * 2 * 4 * 64 * 2
@@ -108,7 +108,7 @@ def test_storage_summary_equals_the_storage_module():
 
 def test_sparse_row_positions_pick_the_largest_per_page():
     energy = np.array([0, 5, 1, 5, 9, 0, 0, 0], np.float32)  # two pages of 4
-    positions = loops_report.sparse_row_positions(energy, rows=2, page_size=4)
+    positions = loops.sparse_row_positions(energy, rows=2, page_size=4)
     np.testing.assert_array_equal(positions, [1, 3, 4, 5])  # tie 0 = 0 = 0 -> lowest position
 
 
@@ -119,10 +119,10 @@ def test_bfloat16_hook_equals_a_bfloat16_cache(comparison):
     lengths = jnp.full((SEQUENCES,), PROMPT, jnp.int32)
     bf16 = ouro.DenseLoopKVCache.from_prefill(keys, values, lengths, max_tokens=max_tokens,
                                               dtype=jnp.bfloat16)
-    rounded = loops_report.bfloat16_loop_caches(keys, values, max_tokens=max_tokens)
+    rounded = loops.bfloat16_loop_caches(keys, values, max_tokens=max_tokens)
     assert rounded.keys.dtype == jnp.float32
     inputs = jnp.asarray(small_windows()[:, PROMPT:PROMPT + 3])
-    expected, _ = loops_report.decode_tokens(small_params(), SMALL, ouro.dense_attention_fn, bf16,
+    expected, _ = loops.decode_tokens(small_params(), SMALL, ouro.dense_attention_fn, bf16,
                                              inputs, PROMPT)
     np.testing.assert_array_equal(comparison["bf16_logits"][:3], expected)
 
@@ -138,19 +138,6 @@ def test_model_queries_are_the_first_layer_projection(prompt_queries):
                                                             SMALL.head_dim)
     expected = ouro.apply_rope(projected, jnp.arange(first, PROMPT)[None, :], SMALL.rope_theta)
     np.testing.assert_allclose(prompt_queries[0, 0], expected, rtol=1e-5, atol=1e-5)
-
-
-def test_causal_attention_float64(rng):
-    queries = rng.standard_normal((1, 2, 4, 8))
-    keys, values = rng.standard_normal((2, 1, 5, 2, 8))
-    out = loops_report.causal_attention_float64(queries, keys, values, np.array([0, 3]))
-    assert out.shape == (1, 2, 4, 8) and out.dtype == np.float64
-    np.testing.assert_allclose(out[0, 0], values[0, 0][[0, 0, 1, 1]], rtol=1e-12)  # only t = 0
-    scores = np.einsum("hd,thd->ht", queries[0, 1], np.repeat(keys[0, :4], 2, axis=1))
-    scores /= math.sqrt(8)
-    weights = np.exp(scores) / np.exp(scores).sum(axis=-1, keepdims=True)
-    np.testing.assert_allclose(out[0, 1], np.einsum("ht,thd->hd", weights,
-                                                    np.repeat(values[0, :4], 2, axis=1)))
 
 
 def test_compare_caches_shapes_and_pages(comparison):
@@ -169,7 +156,7 @@ def test_compare_caches_shapes_and_pages(comparison):
 
 
 def test_logit_metrics(comparison):
-    metrics = loops_report.logit_metrics(comparison)
+    metrics = loops.logit_metrics(comparison)
     teacher_forced, generated = metrics["teacher_forced"], metrics["generated"]
     assert set(teacher_forced) == {
         "steps", "kl", "kl_max", "agreement", "kl_bf16_vs_exact", "kl_cross_loop_vs_exact",
@@ -191,14 +178,14 @@ def test_leading_agreement():
     reference[:, :, 0] = 1
     candidate = reference.copy()
     candidate[2, 0] = [0, 1, 0]  # sequence 0 disagrees at step 2; sequence 1 never
-    np.testing.assert_array_equal(loops_report.leading_agreement(reference, candidate), [2, 4])
+    np.testing.assert_array_equal(loops.leading_agreement(reference, candidate), [2, 4])
 
 
 def test_closed_loop_beats_open_loop(comparison):
-    config = loops_report.cross_loop_cache_config(SMALL, SEQUENCES, TOKENS)
+    config = loops.cross_loop_cache_config(SMALL, SEQUENCES, TOKENS)
     keys, values = comparison["keys"][:, :, :, :128], comparison["values"][:, :, :, :128]
-    closed = loops_report.chain_errors(keys, values, config, closed_loop=True)
-    opened = loops_report.chain_errors(keys, values, config, closed_loop=False)
+    closed = loops.chain_errors(keys, values, config, closed_loop=True)
+    opened = loops.chain_errors(keys, values, config, closed_loop=False)
     for name in ("keys", "values"):
         assert closed[name].shape == (SMALL.layers, SMALL.loops)
         np.testing.assert_array_equal(closed[name][:, 0], opened[name][:, 0])  # same base
@@ -206,7 +193,7 @@ def test_closed_loop_beats_open_loop(comparison):
 
 
 def test_errors_of_the_prefilled_cache(comparison):
-    errors = loops_report.prefilled_cache_errors(small_params(), SMALL, small_windows(),
+    errors = loops.prefilled_cache_errors(small_params(), SMALL, small_windows(),
                                                  comparison, PROMPT, QUERIES)
     shape = (SMALL.loops, SMALL.layers)
     for name in ("bf16", "cross_loop"):
@@ -225,7 +212,7 @@ def test_errors_of_the_prefilled_cache(comparison):
 def test_attention_errors_vanish_for_exact_kv(comparison, prompt_queries):
     exact_keys = np.asarray(comparison["keys"][:, :, :, :PROMPT])
     exact_values = np.asarray(comparison["values"][:, :, :, :PROMPT])
-    errors = loops_report.attention_errors(np.asarray(prompt_queries), exact_keys, exact_values,
+    errors = loops.attention_errors(np.asarray(prompt_queries), exact_keys, exact_values,
                                            exact_keys, exact_values,
                                            np.arange(PROMPT - QUERIES, PROMPT))
     np.testing.assert_array_equal(errors, 0.0)
@@ -233,11 +220,11 @@ def test_attention_errors_vanish_for_exact_kv(comparison, prompt_queries):
 
 def test_cache_serves_windows_unquantized(comparison):
     cache = comparison["cross_loop_cache"]
-    stored_keys, _ = loops_report.reconstruct_every_loop(cache, SEQUENCES, PROMPT)
-    from_pages = loops_report.packed_positions(cache.config, PROMPT)
+    stored_keys, _ = loops.reconstruct_every_loop(cache, SEQUENCES, PROMPT)
+    from_pages = loops.packed_positions(cache.config, PROMPT)
     assert not from_pages[:4].any() and not from_pages[-16:].any() and from_pages[4:48].all()
     exact_keys = comparison["keys"][:, :, :, :PROMPT]
-    rounded = np.asarray(loops_report.bfloat16_round_trip(exact_keys))
+    rounded = np.asarray(loops.bfloat16_round_trip(exact_keys))
     np.testing.assert_array_equal(np.asarray(stored_keys)[:, :, :, ~from_pages],
                                   rounded[:, :, :, ~from_pages])
 
@@ -253,7 +240,7 @@ def test_main_writes_the_report(tmp_path, capsys):
     (stdlib / "a.py").write_text(held_out_text)
     (stdlib / "b.py").write_text("print('training')\n")
     markdown = tmp_path / "report.md"
-    status = loops_report.main([
+    status = loops.main([
         "--checkpoint", str(checkpoint), "--stdlib", str(stdlib), "--tokens", str(TOKENS),
         "--prompt-tokens", str(PROMPT), "--generate", str(GENERATE), "--sequences",
         str(SEQUENCES), "--markdown", str(markdown), "--no-progress"])
@@ -266,21 +253,21 @@ def test_main_writes_the_report(tmp_path, capsys):
 
 
 def test_main_without_checkpoint(tmp_path, capsys):
-    assert loops_report.main(["--checkpoint", str(tmp_path / "missing.npz")]) == 1
+    assert loops.main(["--checkpoint", str(tmp_path / "missing.npz")]) == 1
     assert "bench/train_ouro.py" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not loops_report.DEFAULT_CHECKPOINT.exists(),
+@pytest.mark.skipif(not loops.DEFAULT_CHECKPOINT.exists(),
                     reason="no trained checkpoint jflashloop/models/data/ouro_tiny.npz")
 def test_trained_checkpoint_on_the_cross_loop_cache():
-    checkpoint = load_checkpoint(loops_report.DEFAULT_CHECKPOINT)
+    checkpoint = load_checkpoint(loops.DEFAULT_CHECKPOINT)
     corpus = load_corpus(default_root())
-    windows = loops_report.held_out_windows(corpus.held_out, CHECKPOINT_WINDOWS,
+    windows = loops.held_out_windows(corpus.held_out, CHECKPOINT_WINDOWS,
                                             CHECKPOINT_TOKENS + 1, seed=0)
-    comparison = loops_report.compare_caches(checkpoint.params, checkpoint.config, windows,
+    comparison = loops.compare_caches(checkpoint.params, checkpoint.config, windows,
                                              CHECKPOINT_PROMPT)
     assert (comparison["pages_at_end"] > comparison["pages_after_prefill"]).all()
-    teacher_forced = loops_report.logit_metrics(comparison)["teacher_forced"]
+    teacher_forced = loops.logit_metrics(comparison)["teacher_forced"]
     assert teacher_forced["kl"] < MAX_MEAN_KL_NATS, teacher_forced
     assert teacher_forced["agreement"] > MIN_AGREEMENT, teacher_forced
     extra_bits = (teacher_forced["bits_per_byte_cross_loop"]

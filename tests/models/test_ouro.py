@@ -23,7 +23,7 @@ from jflashloop.models.checkpoint import (
 )
 
 CONFIG = ouro.OuroConfig.tiny()
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
+REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
 
 jitted_forward = jax.jit(ouro.forward, static_argnames=("config", "loops"))
 jitted_decode_step = jax.jit(ouro.decode_step, static_argnames=("config", "attention_fn", "loops"))

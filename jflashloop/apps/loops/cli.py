@@ -1,0 +1,65 @@
+"""``jflashloop loops``: the options of the looped-model report, and its :func:`main`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ...models.checkpoint import load_checkpoint
+from ...models.stdlib_text import default_root, load_corpus
+from .report import describe_inputs, format_report
+from .runner import DEFAULT_CHECKPOINT, ReportSettings, run_report
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = ReportSettings()
+    parser = argparse.ArgumentParser(
+        prog="jflashloop loops",
+        description="A looped model (tiny Ouro) on the cross-loop 4-bit cache vs four BF16 caches.")
+    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
+                        help="ouro checkpoint (.npz; default: the packaged ouro_tiny.npz)")
+    parser.add_argument("--tokens", type=int, default=defaults.tokens,
+                        help="held-out bytes per sequence (prompt + teacher-forced)")
+    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens,
+                        help="bytes prefilled into the caches before decoding")
+    parser.add_argument("--generate", type=int, default=defaults.generate,
+                        help="greedy tokens generated after the text")
+    parser.add_argument("--sequences", type=int, default=defaults.sequences,
+                        help="held-out windows decoded as one batch")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="picks the windows")
+    parser.add_argument("--stdlib", type=Path, default=default_root(),
+                        help="standard-library folder of the text (default: this Python's)")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="also write the report to this markdown file")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_arguments(argv)
+    try:
+        settings = ReportSettings(tokens=args.tokens, prompt_tokens=args.prompt_tokens,
+                                  generate=args.generate, sequences=args.sequences, seed=args.seed)
+    except ValueError as error:
+        print(f"jflashloop loops: {error}", file=sys.stderr)
+        return 2
+    if not args.checkpoint.exists():
+        print(f"jflashloop loops: no checkpoint at {args.checkpoint}; train one with "
+              "`python bench/train_ouro.py` or pass --checkpoint", file=sys.stderr)
+        return 1
+    checkpoint = load_checkpoint(args.checkpoint)
+    if settings.total_tokens > checkpoint.config.max_position:
+        print(f"jflashloop loops: {settings.total_tokens} tokens exceed max_position="
+              f"{checkpoint.config.max_position}", file=sys.stderr)
+        return 2
+    corpus = load_corpus(args.stdlib)
+    results = run_report(checkpoint.params, checkpoint.config, corpus.held_out, settings,
+                         progress=not args.no_progress)
+    report = format_report(results, describe_inputs(checkpoint, args.checkpoint,
+                                                    corpus.description, settings))
+    print(report, end="")
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(report)
+    return 0
