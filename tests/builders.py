@@ -16,8 +16,7 @@ import numpy as np
 
 import jflashloop
 import jflashloop_reference as reference
-from jflashloop import paged_cache
-from jflashloop import CacheConfig, LoopStorage
+from jflashloop import CacheConfig, LoopStorage, paged_cache
 from tests.bits import assert_bits_equal
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16

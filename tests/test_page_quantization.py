@@ -17,11 +17,11 @@ from jflashloop.cache._layout import bytes_from_words
 from jflashloop.ops._page_quantization import encode_pages, encode_tiles
 from jflashloop_pallas_kernels import quantize
 from tests.bits import assert_bits_equal
-from tests.cases import CASES
 from tests.builders import (
     HEAD_DIM,
     small_config,
 )
+from tests.cases import CASES
 
 ON_GPU = jax.default_backend() == "gpu"
 

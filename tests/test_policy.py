@@ -7,8 +7,7 @@ import math
 import pytest
 
 import jflashloop
-from jflashloop import storage
-from jflashloop import CacheConfig, LoopStorage, Policy
+from jflashloop import CacheConfig, LoopStorage, Policy, storage
 
 
 def test_defaults_are_the_cache_config_defaults():

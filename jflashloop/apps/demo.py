@@ -17,8 +17,7 @@ import time
 import jax
 import numpy as np
 
-from .. import storage
-from .. import Policy
+from .. import Policy, storage
 from ..models import cached_decoding, gguf_loader, llama
 from . import quality
 from .float64_metrics import kl_divergence, negative_log_likelihoods, next_token_agreement

@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import paged_cache
-from .. import CacheConfig, Policy
+from .. import CacheConfig, Policy, paged_cache
 from ..codecs import (
     E8_KEYS,
     INT4_GROUP_ROTATED_VALUES,

@@ -17,8 +17,7 @@ import functools
 
 import jax
 
-from .. import paged_cache
-from .. import decode_attention
+from .. import decode_attention, paged_cache
 from ..paged_cache import PagedKVCache
 
 

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import paged_cache
-from .. import Policy
+from .. import Policy, paged_cache
 from . import cache_hooks, llama
 
 Decoder = Callable[[jax.Array, jax.Array, object], tuple[jax.Array, object]]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jflashloop.apps import calibration, cli, demo, evaluation, float64_metrics, loops, quality
 from jflashloop import Policy
+from jflashloop.apps import calibration, cli, demo, evaluation, float64_metrics, loops, quality
 from jflashloop.models import cache_hooks
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[2]

@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import paged_cache, storage
-from ... import CacheConfig, decode_loop, encode_chain
+from ... import CacheConfig, decode_loop, encode_chain, paged_cache, storage
 from ..float64_metrics import (
     causal_attention_float64,
     kl_divergence,

@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import paged_cache
-from ... import CacheConfig
+from ... import CacheConfig, paged_cache
 from ...models import ouro
 from ...models.cache_hooks import looped_paged_attention_hook
 from ...models.checkpoint import PACKAGED_CHECKPOINT
