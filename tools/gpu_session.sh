@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, compiled tests, kernel sweep, benchmarks.
 # Usage (from the repository root, on the device machine):
-#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep probe sharded quick bench codecs train demo
+#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep sharded quick bench codecs train demo
 # Logs go to $OUT (or ./out); a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -68,7 +68,7 @@ for stage in "$@"; do
     bench) run_stage bench 250 python3 bench/decode.py --json "$OUT/decode.json" --trace "$OUT/trace" ;;
     codecs) run_stage codecs 60 python3 bench/codec_speed.py ;;
     train) run_stage train 420 python3 bench/train_ouro.py --out "$OUT/ouro_tiny.npz" ;;
-    demo) run_stage demo 200 python3 -m jflashloop.cli demo ;;
+    demo) run_stage demo 200 python3 -m jflashloop demo ;;
     *) summary+=("unknown stage $stage") ;;
   esac
 done
