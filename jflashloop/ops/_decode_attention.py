@@ -13,8 +13,9 @@ One new query token per sequence attends over one loop of the cache.
 * ``"gluon"``: the Gluon kernel (``jflashloop_triton_kernels.decode_attention``,
   through ``jax_triton``; GPU only).
 
-The automatic order on a GPU is Gluon (where :func:`gluon_is_default`),
-then Pallas, then the reference; elsewhere the reference. A backend that
+The automatic order on a GPU is Gluon (where :func:`gluon_is_default` and
+the Gluon kernel reads the call), then Pallas, then the reference;
+elsewhere the reference. A backend that
 cannot read the cache raises ``NotImplementedError`` and the next one runs;
 an explicit choice raises it to the caller.
 
@@ -272,13 +273,12 @@ def unrotated_output(output, value_seed):
 def gluon_is_default(config: CacheConfig, loop: int) -> bool:
     """Whether the automatic choice on a GPU tries the Gluon kernel first.
 
-    Wherever it reads the cache (the dispatch falls back to the Pallas kernel
-    where it raises ``NotImplementedError``): it was measured faster than the
-    Pallas kernel for every fused format (int4, nvfp4, int4_rotated) and for
-    loops 2 and 4 of the FlashLoop chain (``bench/RESULTS.md``, device time on
-    an H200).
+    Wherever it reads the cache (elsewhere the Gluon backend raises
+    ``NotImplementedError`` and the Pallas kernel runs): it was measured
+    faster than the Pallas kernel for every fused format (int4, nvfp4,
+    int4_rotated) and for loops 1 and 3 of the FlashLoop chain
+    (``bench/RESULTS.md``, device time on an H200).
     """
-    del config, loop
     return True
 
 
@@ -378,12 +378,12 @@ def decode_attention(
       queries: ``[max_sequences, q_heads, head_dim]``.
       cache, layer, loop, include_pending, scale: as for the reference.
       implementation: ``None`` (on a GPU the Gluon kernel wherever it reads
-        the cache and ``jax_triton`` is installed, else the Pallas kernel; the reference
-        path elsewhere and wherever no kernel reads the cache; see
-        :func:`gluon_is_default`), ``"gluon"`` (the Gluon kernel: INT4,
-        NVFP4 or ``int4_rotated``, one loop or a chain; GPU only),
-        ``"pallas"`` (the Pallas kernel; interpret mode off GPU, slow, for
-        tests), or ``"xla"`` (the reference path).
+        the cache and ``jax_triton`` is installed, else the Pallas kernel; the
+        reference path elsewhere and wherever no kernel reads the cache; see
+        :func:`gluon_is_default`), ``"gluon"`` (the Gluon kernel: int4, nvfp4
+        or int4_rotated streams, loop chains of 1-4 with sparse loops; GPU
+        only), ``"pallas"`` (the Pallas kernel; interpret mode off GPU, slow,
+        for tests), or ``"xla"`` (the reference path).
       interpret: run the Pallas kernel in interpret mode; None: off a GPU only
         (True runs the kernel's logic in interpret mode on a GPU host too).
       kernel_config: ``jflashloop_pallas_kernels.decode_attention.KernelConfig``
