@@ -173,7 +173,7 @@ def _bits_per_byte_section(results: dict[str, Any]) -> list[str]:
 def _chain_section(results: dict[str, Any]) -> list[str]:
     chains = results["chain_errors"]
     lines = ["## 6. Closed-loop vs open-loop residual encoding", "",
-             "`jflashloop.residual.encode_chain` on the real looped K/V of each layer (first "
+             "`jflashloop.encode_chain` on the real looped K/V of each layer (first "
              f"{results['chain_tokens']} text tokens, one chain per sequence and KV head, the "
              "cache's codecs: K groups fall on page boundaries). Sparse loops keep the same rows "
              "in both modes (per page, largest exact loop-to-loop residual energy). Open loop "
