@@ -47,10 +47,11 @@ def formulation(name, loop=0, pages_only=False):
         return bench.ours(loop, implementation=None)
     from jflashloop_triton_kernels import decode_attention as gluon
 
-    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k][-m][-f]: pipelined kernel, fused windows,
-    # token chunk, target programs, register cap, kernel partials only (no merge), merge inside the kernel,
+    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k][-m|-mx][-f|-x]: pipelined kernel, fused
+    # windows, token chunk, target programs, register cap, kernel partials only (no merge), merge inside the
+    # kernel (-m) or by XLA (-mx) instead of the merge kernel,
     # one float16 query (-f) or the precise float16 pair (-x) instead of the head_dim's default
-    stages, fused, chunk, programs, partials, maxnreg, merge, precise = None, False, None, 2048, False, None, "xla", None
+    stages, fused, chunk, programs, partials, maxnreg, merge, precise = None, False, None, 2048, False, None, None, None
     if name.startswith("gluon2-s"):
         kernel = "pipelined"
         head, *options = name.removeprefix("gluon2-s").split("-")
@@ -66,6 +67,8 @@ def formulation(name, loop=0, pages_only=False):
                 partials = True
             elif option == "m":
                 merge = "kernel"
+            elif option == "mx":
+                merge = "xla"
             elif option == "f":
                 precise = False
             elif option == "x":
@@ -82,7 +85,8 @@ def formulation(name, loop=0, pages_only=False):
         queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs)
         out = gluon.paged_decode_attention(
             queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], windows["sink_keys"],
-            windows["sink_values"], windows["ring_keys"], windows["ring_values"], loops=inputs["loops"],
+            windows["sink_values"], windows["ring_keys"], windows["ring_values"], state=inputs["state"],
+            limits=inputs["limits"], loops=inputs["loops"],
             page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=window_loop,
             scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
             stages=stages, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,

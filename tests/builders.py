@@ -187,9 +187,11 @@ def lost_page_cache(rng, config, neighbour_seed):
 
 
 def hole_cache(rng, config):
-    """Slot 1's page 0 is lost (slot 0 held the pool), its page 1 stored after slot 0 was freed.
+    """Slot 1's page 0 is lost (slot 0 held the pool); its page 1 fills after slot 0 was freed.
 
-    Returns ``(cache, history)``; slot 1's block-table row is ``[-1, page, -1]``.
+    Page 1 is not stored (no page is stored after a lost one) although the
+    pool has room again. Returns ``(cache, history)``; slot 1's block-table
+    row is ``[-1, -1, -1]``.
     """
     keys, values = looped_tokens(rng, config, 48)
     cache = _prefill(paged_cache.create(config), 0, keys, values, 48)

@@ -25,7 +25,8 @@ from jflashloop.ops._decode_attention import (
     rotated_inputs,
     unrotated_output,
 )
-from tests.builders import build, small_config
+from tests.bits import assert_bits_equal
+from tests.builders import build, hole_cache, lost_page_cache, small_config
 
 pytest.importorskip("triton.experimental.gluon")
 
@@ -71,9 +72,10 @@ def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None
     queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs)
     output = gluon.paged_decode_attention(
         queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], windows["sink_keys"],
-        windows["sink_values"], windows["ring_keys"], windows["ring_values"], loops=inputs["loops"],
-        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=window_loop,
-        scale=1 / math.sqrt(c.head_dim), splits=splits, emulate=EMULATE, **VERSIONS[version])
+        windows["sink_values"], windows["ring_keys"], windows["ring_values"], state=inputs["state"],
+        limits=inputs["limits"], loops=inputs["loops"], page_size=c.page_size, sink_tokens=c.sink_tokens,
+        window_loop=window_loop, scale=1 / math.sqrt(c.head_dim), splits=splits, emulate=EMULATE,
+        **VERSIONS[version])
     return unrotated_output(output, value_seed)
 
 
@@ -118,6 +120,25 @@ def test_gluon_kernel_window_policies(rng, sink, recent):
         expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=pending)
         actual = gluon_attention(queries, cache, 0, include_pending=pending, version=3)
         assert (relative_errors(actual, expected) < TOLERANCE).all(), (pending, relative_errors(actual, expected))
+
+
+@pytest.mark.parametrize("recent", [16, 0])
+def test_gluon_kernel_never_reads_lost_pages(rng, recent):
+    """Pool exhaustion: slot 1's second page is lost (or, in the hole cache, its first, and the second
+    is then not stored); the kernel works the regions out itself and reads none of slot 0's pages.
+    Without a recent window the ring holds tokens of the lost page, which the window program must read."""
+    config = small_config(num_layers=1, head_dim=64, page_size=16, num_pages=3, max_pages_per_sequence=3,
+                          max_sequences=2, num_loops=3, recent_tokens=recent)
+    seed = int(rng.integers(2**31))
+    (cache, _), (other, _) = (lost_page_cache(np.random.default_rng(seed), config, s) for s in (1, 2))
+    hole, _ = hole_cache(rng, config)
+    queries = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+    for loop in (0, 2):
+        mine = np.asarray(gluon_attention(queries, cache, 0, loop=loop))
+        assert_bits_equal(mine[1], np.asarray(gluon_attention(queries, other, 0, loop=loop))[1], "slot 1")
+        for state, out in ((cache, mine), (hole, np.asarray(gluon_attention(queries, hole, 0, loop=loop)))):
+            expected = jflashloop.decode_attention_reference(queries, state, 0, loop, include_pending=False)
+            assert (relative_errors(out[1:], expected[1:]) < TOLERANCE).all(), loop
 
 
 def outlier_key_errors(rng, head_dim, version):
@@ -231,8 +252,8 @@ def test_gluon_kernel_reads_only_what_it_supports():
     assert "at most 8" in unsupported_reason(formats[:1], chain.head_dim, 64, 16)
 
 
-@pytest.mark.parametrize("group", [4, 3])
-def test_gluon_kernel_merges_the_splits_itself(rng, group):
+@pytest.mark.parametrize("group, merge", [(4, "kernel"), (3, "kernel"), (3, "gluon"), (1, "gluon"), (3, "xla")])
+def test_gluon_kernel_merges_the_splits(rng, group, merge):
     config = one_loop_config(128, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
     cache, _ = build(rng, config, prompt_lengths=[400, 5, 129], steps=1)
     queries = jnp.asarray(rng.standard_normal((3, 2 * group, 128)), jnp.float32)
@@ -243,9 +264,9 @@ def test_gluon_kernel_merges_the_splits_itself(rng, group):
     inputs = kernel_inputs(cache, 0, 0, True)
     actual = gluon.paged_decode_attention(
         queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
-        inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], loops=inputs["loops"],
-        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=0, scale=1 / math.sqrt(c.head_dim),
-        splits=3, emulate=EMULATE, merge="kernel")
+        inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], state=inputs["state"],
+        limits=inputs["limits"], loops=inputs["loops"], page_size=c.page_size, sink_tokens=c.sink_tokens,
+        window_loop=0, scale=1 / math.sqrt(c.head_dim), splits=3, emulate=EMULATE, merge=merge)
     assert actual.shape == expected.shape
     assert (relative_errors(actual, expected) < TOLERANCE).all()
 

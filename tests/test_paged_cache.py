@@ -394,12 +394,14 @@ def test_lost_pages_are_never_read(rng):
         assert_bits_equal(mine, theirs, f"attention of slot 1 loop {loop + 1}")
 
 
-def test_pages_after_a_lost_page_are_not_read(rng):
+def test_no_page_is_stored_after_a_lost_page(rng):
     config = lost_page_config()
     cache, history = hole_cache(rng, config)
     row = np.asarray(cache.block_tables[1])
-    assert row[0] == -1 and row[1] >= 0 and int(cache.lengths[1]) == 32
+    assert (row == -1).all() and int(cache.lengths[1]) == 32  # page 1 filled with the pool free again
+    assert np.asarray(cache.page_free).all()
     assert cache.error_flags[1] & paged_cache.ERROR_OUT_OF_PAGES
+    paged_cache.validate(cache)
     assert_matches_oracle(cache, history.keys, history.values)
     keys, _, _ = paged_cache.reconstruct(cache, 0, 0, 1)
     assert not np.asarray(keys)[4:16].any()  # only the sink and the ring (tokens 16..31) are read

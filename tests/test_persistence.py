@@ -462,3 +462,33 @@ def test_save_removes_only_stale_temporaries_of_its_own_target(tmp_path):
     persistence.save(tmp_path / "cache.jflkv", tiny_cache())
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["cache.jflkv", *kept])
     assert not set(stale) & {p.name for p in tmp_path.iterdir()}
+
+
+def _cache_with_a_hole():
+    """busy_cache() with slot 2's first page lost after the fact (its later pages still stored)."""
+    cache = busy_cache()
+    row = np.asarray(cache.block_tables[2])
+    return dataclasses.replace(
+        cache,
+        block_tables=cache.block_tables.at[2, 0].set(-1),
+        page_free=cache.page_free.at[int(row[0])].set(True),
+        error_flags=cache.error_flags.at[2].set(cache.error_flags[2] | paged_cache.ERROR_OUT_OF_PAGES),
+    ), row
+
+
+def test_pages_after_a_lost_page_are_released_on_load():
+    hole, row = _cache_with_a_hole()
+    assert (row[1:3] >= 0).all()
+    with pytest.raises(jflashloop.CacheStateError, match=r"columns \[1, 2\] after its lost page at column 0"):
+        paged_cache.validate(hole)
+    loaded = persistence.cache_from_bytes(persistence.cache_to_bytes(hole))
+    assert (np.asarray(loaded.block_tables[2]) == -1).all()
+    assert np.asarray(loaded.page_free)[row[:3]].all()
+    paged_cache.validate(loaded)
+    for before, after in zip(_reconstructions(hole, 2), _reconstructions(loaded, 2), strict=True):
+        for a, b in zip(before, after, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    bundle = persistence.export_pages(busy_cache(), 2)
+    with pytest.raises(PersistenceError, match=r"page_columns must be 0 \.\. 2"):
+        persistence.import_pages(paged_cache.create(CONFIG), 0,
+                                 dataclasses.replace(bundle, page_columns=np.array([0, 1, 3], np.int32)))

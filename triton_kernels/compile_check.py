@@ -77,8 +77,10 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
         constants.update(SPARSE=len(sparse), R3=sparse[0] if sparse else 16, R4=sparse[1] if len(sparse) > 1 else 16)
     outputs = OUTPUTS + (MERGE_OUTPUTS if pipelined else [])
     if pipelined:
-        constants.update(MERGE=merge, GROUP=group, PRECISE=precise, QSCALE=0.12753)
-    types = [query if pipelined else POINTERS[0], *POINTERS[1:3]] + stream + windows + scalars + outputs + ["constexpr"] * len(constants)
+        constants.update(MERGE=merge, GROUP=group, PRECISE=precise, QSCALE=0.12753, PENDING=1, CAPACITY=1 << 20,
+                         RECENT=64)
+    heads = [query, "*i32", "*i32", "*i1"] if pipelined else POINTERS  # query, table, (lengths, active | bounds)
+    types = heads + stream + windows + scalars + outputs + ["constexpr"] * len(constants)
     signature = dict(zip(fn.arg_names, types, strict=True))
     pointers = [i for i, t in enumerate(types) if t.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
@@ -88,6 +90,26 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     source = (ASTSource if kernel == "triton" else GluonASTSource)(fn, signature, constants, attrs)
     with _fresh_cache():
         return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def compile_merge_kernel(*, head_dim: int = 128, group: int = 8, slots: int = 33, capability: int = 90):
+    """``triton.compile`` the split-merge kernel (its launch configuration in ``decode_attention``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import decode_attention, gluon_decode
+
+    launch = decode_attention.merge_launch(head_dim, slots)
+    constants = dict(D=head_dim, GROUP=group, SLOTS=slots, SB=launch["SB"], DB=launch["DB"], WARPS=launch["WARPS"])
+    types = ["*fp32"] * 4 + ["constexpr"] * len(constants)
+    fn = gluon_decode.merge_kernel
+    signature = dict(zip(fn.arg_names, types, strict=True))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+    source = GluonASTSource(fn, signature, constants, attrs)
+    with _fresh_cache():
+        return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": launch["WARPS"]})
 
 
 def compile_ir(ir: str, *, capability: int, num_warps: int, num_stages: int):

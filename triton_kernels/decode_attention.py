@@ -68,6 +68,32 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel:
     return None
 
 
+def merge_launch(head_dim: int, slots: int) -> dict[str, int]:
+    """The merge kernel's blocks: ``SB`` slots per load, ``DB`` channels per program, ``WARPS``."""
+    return dict(SB=min(32, 1 << max(slots - 1, 1).bit_length()), DB=min(32, head_dim), WARPS=4)
+
+
+def merge_partials(output, total, running_max, group: int, *, emulate: bool = False):
+    """float32 ``[S, H * group, D]``: the split partials of the page kernel merged by the Gluon merge kernel.
+
+    ``output`` float32 ``[S, H, slots, 8, D]``, ``total`` and ``running_max``
+    ``[S, H, slots, 8]`` (rows below ``group`` are read); the same result as
+    ``jflashloop_pallas_kernels.decode_attention.merge_splits`` (XLA) of those rows.
+    """
+    from . import call, gluon_decode
+
+    sequences, kv_heads, slots, _, head_dim = output.shape
+    launch = merge_launch(head_dim, slots)
+    out_shape = [jax.ShapeDtypeStruct((sequences, kv_heads * group, head_dim), jnp.float32)]
+    grid = (sequences * kv_heads, head_dim // launch["DB"], 1)
+    constants = dict(D=head_dim, GROUP=group, SLOTS=slots, **launch)
+    arrays = [output, total, running_max]
+    if emulate:
+        return _emulated_call(gluon_decode.merge_kernel, grid, arrays, [], out_shape, constants)[0]
+    return call.triton_call(*arrays, kernel=gluon_decode.merge_kernel, out_shape=out_shape, grid=grid,
+                            num_warps=launch["WARPS"], name="jflashloop_merge_splits", **constants)[0]
+
+
 def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dict[str, Any], *,
                   residual: tuple[dict[str, Any], dict[str, Any]] | None = None,
                   sparse: tuple[dict[str, Any], ...] = (), sparse_rows: tuple[int, ...] = (),
@@ -75,7 +101,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   num_warps: int = 1, num_stages: int = 1, stages: int | None = None, windows=None,
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
                   emulate: bool = False, merge_group: int | None = None, precise: bool = True,
-                  query_scale: float | None = None):
+                  query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0)):
     """Run the Gluon page kernel.
 
     Args:
@@ -83,7 +109,11 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         softmax scale * log2(e); with ``query_scale`` (pipelined kernel) the
         caller's queries ``[S, H, group, D]`` (any float dtype), which the
         kernel scales by ``query_scale`` and pads itself.
-      block_tables, bounds: as for ``paged_decode_attention``.
+      block_tables, bounds: as for ``paged_decode_attention`` (the pipelined
+        kernel reads ``state`` instead of ``bounds``).
+      state, limits: the pipelined kernel's sequence state ``(lengths int32
+        [S], active bool [S])`` and ``(pending, capacity, recent_tokens)``:
+        it works out each sequence's regions itself (no computation before it).
       keys, values: one loop's stream arrays (``payload`` uint32 ``[H, pool,
         page, D/8]``, ``scale`` / ``minimum`` float16).
       residual: loop 2's (keys, values) of a dense chain (pipelined kernel only).
@@ -122,8 +152,13 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
             return [stream["payload"], stream["scale"], stream["scale"]]
         return [stream["payload"], stream["scale"], stream["minimum"]]
 
-    arrays = [query, block_tables.astype(jnp.int32), bounds.astype(jnp.int32), *stream_arrays(keys),
-              *stream_arrays(values)]
+    if stages is not None:  # the pipelined kernel: the sequence state, not the bounds
+        if state is None:
+            raise ValueError("the pipelined kernel reads the sequence state (lengths, active)")
+        heads = [state[0].astype(jnp.int32), state[1].astype(jnp.bool_)]
+    else:
+        heads = [bounds.astype(jnp.int32)]
+    arrays = [query, block_tables.astype(jnp.int32), *heads, *stream_arrays(keys), *stream_arrays(values)]
     scalars = [kv_heads, pool, max_pages, pages_per_split, slots]
     extra = {} if stages is None else {"STAGES": stages, "CHUNK": chunk or page_size,
                                        "STREAMS": 1 if residual is None else 2, "FORMAT": stream_format}
@@ -147,7 +182,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         if merge_group is not None and merge_group != group:
             raise ValueError(f"merge_group {merge_group} differs from the query's {group} rows")
         extra.update(MERGE=merge_group is not None, GROUP=group, PRECISE=precise,
-                     QSCALE=1.0 if query_scale is None else float(query_scale))
+                     QSCALE=1.0 if query_scale is None else float(query_scale),
+                     PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]))
     elif query_scale is not None:
         raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
@@ -191,14 +227,16 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
 @functools.partial(jax.jit, static_argnames=("loops", "page_size", "sink_tokens", "window_loop", "scale",
                                              "splits", "pages_only", "kernel", "stages",
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
-                                             "partials_only", "maxnreg", "emulate", "merge", "precise"))
+                                             "partials_only", "maxnreg", "emulate", "merge", "precise",
+                                             "limits"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
-                           ring_values, *, loops, page_size: int, sink_tokens: int, window_loop: int,
+                           ring_values, *, state=None, limits: tuple[int, int, int] | None = None,
+                           loops, page_size: int, sink_tokens: int, window_loop: int,
                            scale: float, splits: int | None = None, pages_only: bool = False,
                            kernel: str = "pipelined", stages: int | None = None, fused_windows: bool = True,
                            chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
-                           merge: str = "xla", precise: bool | None = None):
+                           merge: str | None = None, precise: bool | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -228,10 +266,16 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       None: pairs at head_dim 64, where one float16 exceeded 2e-3 on such keys
       and the pairs fit the registers; one float16 at 128 and 256 (within
       2e-3 there; the pairs spill registers, ``bench/KERNEL_NOTES.md``).
-    * ``merge``: ``"xla"`` (partials merged by a separate XLA computation) or
-      ``"kernel"`` (the last program of each (sequence, KV head) merges them
-      and writes the output: one launch for the whole call; pipelined kernel
-      with fused windows).
+    * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
+      arrays and static ``(pending, capacity, recent_tokens)``
+      (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
+      regions itself, so nothing runs before it; ``bounds`` is read by the
+      other kernels (and the pipelined kernel does not need it computed).
+    * ``merge``: ``"gluon"`` (the Gluon merge kernel, one more launch),
+      ``"xla"`` (an XLA computation) or ``"kernel"`` (the last program of
+      each (sequence, KV head) merges inside the page kernel: one launch for
+      the whole call); None: ``"gluon"`` for the pipelined kernel with fused
+      windows, else ``"xla"``.
     """
     sequences, q_heads, head_dim = queries.shape
     kv_heads = ring_keys.shape[2]
@@ -261,6 +305,10 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         stages = 2 if capability is None else launch.pipelined_stages(
             capability=capability, head_dim=head_dim, page_size=page_size, format=loops[0].keys.format,
             value_group=loops[0].values.group_size, streams=min(len(loops), 2), sparse_rows=sparse_rows)
+    if merge is None:
+        merge = "gluon" if pipelined and fused_windows else "xla"
+    if merge not in ("gluon", "xla", "kernel"):
+        raise ValueError(f"merge must be 'gluon', 'xla' or 'kernel', got {merge!r}")
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
     if precise is None:
         precise = head_dim <= 64
@@ -271,7 +319,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         sparse_rows=sparse_rows, merge_group=group if in_kernel else None, precise=precise, page_size=page_size,
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
-        query_scale=scale * LOG2_E if pipelined else None,
+        query_scale=scale * LOG2_E if pipelined else None, state=state,
+        **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]
     if in_kernel:
@@ -287,6 +336,9 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         output = jnp.concatenate([output, w_out], axis=2)
         total = jnp.concatenate([total, w_sum], axis=2)
         running_max = jnp.concatenate([running_max, w_max], axis=2)
+    if merge == "gluon":
+        return merge_partials(output, total, running_max, group, emulate=emulate).reshape(
+            sequences, q_heads, head_dim)
     # The group's rows only (the slice fuses into the merge's reductions).
     merged = pallas_decode.merge_splits(output[:, :, :, :group], total[..., :group], running_max[..., :group])
     return merged.reshape(sequences, q_heads, head_dim)  # [S, H, group, D] -> [S, q_heads, D]

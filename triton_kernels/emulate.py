@@ -244,6 +244,7 @@ def _gluon_namespace():
     g.convert_layout = lambda x, layout, assert_trivial=False: x
     g.broadcast = lambda a, b: tuple(_t(x) for x in np.broadcast_arrays(a, b))
     g.max = lambda x, axis=None: _t(np.max(x, axis=axis))
+    g.min = lambda x, axis=None: _t(np.min(x, axis=axis))
     g.sum = lambda x, axis=None: _t(np.sum(x, axis=axis, dtype=np.asarray(x).dtype))
     g.maximum = lambda a, b: _t(np.maximum(a, b))
     g.minimum = lambda a, b: _t(np.minimum(a, b))

@@ -609,10 +609,16 @@ def _tile_columns(x, PAGE: gl.constexpr):
 
 @gluon.jit
 def _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages):
-    """(tile index of page ``first + step`` of this program's head, whether ``step < count``)."""
+    """(tile index of page ``first + step`` of this program's head, whether it is read).
+
+    A page is read when ``step < count`` and its block-table entry holds a
+    page: a lost page (-1) is skipped, and since the cache stores no page
+    after a lost one, that ends the sequence's pages where the reference's
+    regions end them.
+    """
     live = step < count
-    page = gl.maximum(gl.load(table_ptr + seq * max_pages + first + step, mask=live, other=0), 0)
-    return head.to(gl.int64) * pool_pages + page, live
+    entry = gl.load(table_ptr + seq * max_pages + first + step, mask=live, other=-1)
+    return head.to(gl.int64) * pool_pages + gl.maximum(entry, 0), live & (entry >= 0)
 
 
 @gluon.jit
@@ -1043,6 +1049,12 @@ def _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE: gl.c
 
 
 @gluon.constexpr_function
+def _window_columns(ring: int, page: int) -> int:
+    """Block-table columns the window program checks for a lost page: those of the pages the ring overlaps."""
+    return 1 << (-(-ring // page) + 1).bit_length()
+
+
+@gluon.constexpr_function
 def _merge_layout(head_dim: int):
     """``[8, D]`` partial outputs for the merge: rows on lanes 2-4, channels in 16-byte pieces."""
     return gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
@@ -1075,9 +1087,66 @@ def _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D: gl.
     gl.store(final_ptr + (program * GROUP) * D + offsets, result, mask=keep)
 
 
+@gluon.constexpr_function
+def merge_layout(slot_block: int, channels: int, warps: int):
+    """``[slot_block, 8, channels]`` partials of the merge kernel: channels on lanes in 16-byte pieces,
+    rows on the remaining lanes, slots on the warps."""
+    lanes_c = min(channels // 4, 32)
+    return gl.BlockedLayout([1, 1, 4], [1, 32 // lanes_c, lanes_c], [warps, 1, 1], [2, 1, 0])
+
+
+@gluon.jit
+def merge_kernel(out_ptr, sum_ptr, max_ptr, final_ptr, D: gl.constexpr, GROUP: gl.constexpr,
+                 SLOTS: gl.constexpr, SB: gl.constexpr, DB: gl.constexpr, WARPS: gl.constexpr):
+    """Merge the split partials of one (sequence, KV head) and ``DB`` channels (stable log-sum-exp).
+
+    Grid ``(S * H, D / DB)``. ``out`` float32 ``[S, H, SLOTS, 8, D]``, ``sum``
+    and ``max`` ``[S, H, SLOTS, 8]`` (rows below ``GROUP`` are read) ->
+    ``final`` float32 ``[S, H * GROUP, D]`` (zeros where nothing was visible).
+    Two passes over the slots in blocks of ``SB``: the rows' maximum, then the
+    weighted sums; every block's loads are independent (unrolled).
+    """
+    L3: gl.constexpr = merge_layout(SB, DB, WARPS)
+    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [SB, 8]
+    program = gl.program_id(0).to(gl.int64)
+    block = gl.program_id(1)
+    b_slots = gl.arange(0, SB, layout=gl.SliceLayout(1, LS))
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(0, LS))
+    row_ok = gl.expand_dims(rows < GROUP, 0)
+    best = gl.full([8], MASK_VALUE, gl.float32, layout=gl.SliceLayout(0, LS))
+    BLOCKS: gl.constexpr = (SLOTS + SB - 1) // SB
+    for b in gl.static_range(BLOCKS):
+        slot = b * SB + b_slots
+        meta = (program * SLOTS + gl.expand_dims(slot, 1)) * 8 + gl.expand_dims(rows, 0)
+        keep = gl.expand_dims(slot < SLOTS, 1) & row_ok
+        best = gl.maximum(best, gl.max(gl.load(max_ptr + meta, mask=keep, other=MASK_VALUE), axis=0))
+    L_C: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L3))
+    cols = block * DB + gl.arange(0, DB, layout=L_C)
+    total = gl.zeros([1, 8, 1], gl.float32, layout=L3)
+    combined = gl.zeros([1, 8, DB], gl.float32, layout=L3)
+    for b in gl.static_range(BLOCKS):
+        slot = b * SB + b_slots
+        meta = (program * SLOTS + gl.expand_dims(slot, 1)) * 8 + gl.expand_dims(rows, 0)
+        keep = gl.expand_dims(slot < SLOTS, 1) & row_ok
+        weight = gl.exp2(gl.load(max_ptr + meta, mask=keep, other=MASK_VALUE) - gl.expand_dims(best, 0))
+        weight = gl.where(keep, weight, 0.0)
+        part_sum = gl.load(sum_ptr + meta, mask=keep, other=0.0)
+        total += gl.expand_dims(gl.sum(gl.expand_dims(part_sum * weight, 2), axis=0), 0)
+        offsets = gl.expand_dims(meta, 2) * D + gl.expand_dims(gl.expand_dims(cols, 0), 1)
+        part = gl.load(out_ptr + offsets, mask=gl.expand_dims(keep, 2), other=0.0)
+        combined += gl.expand_dims(gl.sum(part * gl.expand_dims(weight, 2), axis=0), 0)
+    result = gl.where(total > 0, combined / gl.where(total > 0, total, 1.0), 0.0)
+    r3 = gl.expand_dims(gl.expand_dims(rows, 0), 2)
+    c3 = gl.expand_dims(gl.expand_dims(cols, 0), 1)
+    gl.store(final_ptr + (program * GROUP + r3) * D + c3, result, mask=(r3 < GROUP) & (c3 < D))
+
+
 @gluon.jit
 def int4_pages_kernel_v2(
-    q_ptr, table_ptr, bounds_ptr, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr,
+    q_ptr, table_ptr,
+    lengths_ptr,  # int32 [S]: committed tokens
+    active_ptr,  # bool [S]: slots holding a sequence
+    kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr,
     kw2_ptr, ks2_ptr, km2_ptr, vw2_ptr, vs2_ptr, vm2_ptr,  # the dense residual of loop 2 (STREAMS == 2)
     kw3_ptr, ks3_ptr, km3_ptr, vw3_ptr, vs3_ptr, vm3_ptr, pos3_ptr,  # sparse loop 3 (SPARSE >= 1)
     kw4_ptr, ks4_ptr, km4_ptr, vw4_ptr, vs4_ptr, vm4_ptr, pos4_ptr,  # sparse loop 4 (SPARSE == 2)
@@ -1093,7 +1162,8 @@ def int4_pages_kernel_v2(
     RING: gl.constexpr, WINDOWS: gl.constexpr, CHUNK: gl.constexpr, STREAMS: gl.constexpr,
     FORMAT: gl.constexpr = 0, SPARSE: gl.constexpr = 0, R3: gl.constexpr = 16, R4: gl.constexpr = 16,
     MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
-    QSCALE: gl.constexpr = 1.0,
+    QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
+    RECENT: gl.constexpr = 0,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1154,7 +1224,11 @@ def int4_pages_kernel_v2(
                                                          [RP4, NG, W // NG]).type.layout)
         VS4: gl.constexpr = _value_meta_layout(RP4, NG, D, GV)
 
-    packed_end = gl.load(bounds_ptr + seq * 2 + 1)
+    # The sequence's regions (``jflashloop.cache._regions``): ``visible`` tokens, pages up to
+    # ``packed_end`` (a lost page, -1, ends them earlier: ``_page_tile`` and the window program).
+    length = gl.load(lengths_ptr + seq)
+    visible = gl.where(gl.load(active_ptr + seq).to(gl.int32) != 0, gl.minimum(length + PENDING, CAPACITY), 0)
+    packed_end = gl.maximum(gl.minimum(visible - RECENT, (length // PAGE) * PAGE), 0)
     packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
     first = split * pages_per_split
     count = gl.minimum(gl.maximum(packed_pages - first, 0), pages_per_split)
@@ -1207,7 +1281,7 @@ def int4_pages_kernel_v2(
         if SPARSE >= 2:
             _copy_sparse(kw4_s, vw4_s, ahead, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
         async_copy.commit_group()
-        current, _live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
+        current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
         if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
             meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, B_OP)
         if SPARSE >= 2:
@@ -1250,7 +1324,7 @@ def int4_pages_kernel_v2(
                                           B_OP, KW4)
             scores = _top_rows(both, CHUNK)  # [8, CHUNK]
             token = (first + step) * PAGE + c * CHUNK + tokens
-            valid = gl.expand_dims((token >= SINK) & (token < packed_end), 0)
+            valid = gl.expand_dims((token >= SINK) & (token < packed_end) & current_live, 0)
             scores = gl.where(valid, scores, MASK_VALUE)
             new_max = gl.maximum(run_max, gl.max(scores, axis=1))
             correction = gl.exp2(run_max - new_max)
@@ -1276,7 +1350,14 @@ def int4_pages_kernel_v2(
 
     if WINDOWS:
         if split == window_split:
-            visible = gl.load(bounds_ptr + seq * 2)
+            # A lost page among the last pages before the ring ends the pages there; an earlier one
+            # ends them before the ring's oldest position, so these columns decide.
+            WP: gl.constexpr = _window_columns(RING, PAGE)
+            near = gl.maximum(visible - RING, 0) // PAGE + gl.arange(0, WP, layout=gl.BlockedLayout([1], [32], [1], [0]))
+            ends = gl.cdiv(packed_end, PAGE)
+            entries = gl.load(table_ptr + seq * max_pages + near, mask=near < ends, other=0)
+            lost = gl.min(gl.where((entries < 0) & (near < ends), near, ends), axis=0)
+            packed_end = gl.minimum(packed_end, lost * PAGE)
             window = ((window_loop * sequences + seq) * kv_heads + head).to(gl.int64)
             if SINK > 0:
                 for chunk in range(gl.cdiv(SINK, 16)):
@@ -1298,9 +1379,13 @@ def int4_pages_kernel_v2(
     slot = program * slots + split
     o_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     o_chan = _value_physical(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), W)
-    gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows, 0) * D + gl.expand_dims(o_chan, 1), acc)
-    gl.store(sum_ptr + slot * 8 + gl.arange(0, 8, layout=total.type.layout), total)
-    gl.store(max_ptr + slot * 8 + gl.arange(0, 8, layout=run_max.type.layout), run_max)
+    # The group's rows only (rows GROUP-7 are padding; nothing reads them).
+    gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows, 0) * D + gl.expand_dims(o_chan, 1), acc,
+             mask=gl.expand_dims(o_rows < GROUP, 0))
+    r_sum = gl.arange(0, 8, layout=total.type.layout)
+    gl.store(sum_ptr + slot * 8 + r_sum, total, mask=r_sum < GROUP)
+    r_max = gl.arange(0, 8, layout=run_max.type.layout)
+    gl.store(max_ptr + slot * 8 + r_max, run_max, mask=r_max < GROUP)
     if MERGE:
         # Release this program's partials, count it; the last of its (sequence, head) merges them.
         done = gl.atomic_add(counter_ptr + program, 1, sem="acq_rel", scope="gpu")

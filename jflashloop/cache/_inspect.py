@@ -217,6 +217,12 @@ def bookkeeping_problems(cache: PagedKVCache) -> list[str]:
                 f"{full_pages} full page(s) (length {lengths[slot]})"
             )
         missing = [column for column in range(full_pages) if tables[slot, column] < 0]
+        after = held[held > missing[0]] if missing else held[:0]
+        if after.size:
+            problems.append(
+                f"slot {slot} holds pages at block-table columns {after.tolist()} after its lost page at "
+                f"column {missing[0]} (no page is stored after a lost one)"
+            )
         if missing and not flags[slot] & ERROR_OUT_OF_PAGES:
             problems.append(
                 f"slot {slot} (length {lengths[slot]}) has no page at block-table columns {missing} "
@@ -248,7 +254,8 @@ def validate(cache: PagedKVCache) -> None:
     tables hold -1 or page ids inside the pool; no page is owned twice;
     ``page_free`` is exactly the complement of the pages in block tables;
     lengths are within capacity; an active sequence holds a page for each of
-    its full pages (unless flagged ``ERROR_OUT_OF_PAGES``) and none beyond;
+    its full pages (unless flagged ``ERROR_OUT_OF_PAGES``; then none after
+    the first lost one) and none beyond;
     inactive slots hold no pages and length 0; sparse row positions of used
     pages are in range and increasing.
 

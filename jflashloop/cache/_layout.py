@@ -48,7 +48,7 @@ ERROR_SLOT_REPLACED = 8
 ERROR_INVALID_LENGTH = 16
 ERROR_SATURATED = 32
 ERROR_TEXT = {
-    ERROR_OUT_OF_PAGES: "the page pool ran out of free pages (a full page was not stored)",
+    ERROR_OUT_OF_PAGES: "the page pool ran out of free pages (a full page, and every later one, was not stored)",
     ERROR_SEQUENCE_FULL: "the sequence exceeded max_pages_per_sequence * page_size tokens",
     ERROR_NONFINITE_INPUT: "NaN or +-inf K/V were written (stored as 0; see nonfinite_counts)",
     ERROR_SLOT_REPLACED: "prefill replaced a sequence that was still active in this slot",

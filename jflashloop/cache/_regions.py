@@ -15,7 +15,9 @@ tokens and ``stored`` leading block-table entries that hold a page
 The regions are disjoint. Their union is every ``t < n`` unless a page was
 lost (its block-table entry is -1): pages are read only up to the first
 lost page, and of the positions after it only those still in the ring (the
-latest ``window_tokens``) are read; the others are lost.
+latest ``window_tokens``) are read; the others are lost. The cache stores
+no page after a lost one (a sequence's pages are a prefix of its
+block-table row), so a kernel may also stop at any -1 entry it meets.
 
 :func:`regions` computes these bounds, and every JAX computation of them
 uses it: :func:`~jflashloop.paged_cache.reconstruct` and the reference
@@ -52,9 +54,10 @@ def visible_tokens(cache: PagedKVCache, *, include_pending: bool = False) -> jax
 def stored_pages(cache: PagedKVCache) -> jax.Array:
     """int32 ``[max_sequences]``: leading block-table entries of each slot that hold a page.
 
-    A page that could not be stored (``ERROR_OUT_OF_PAGES``) has entry -1;
-    reading a sequence's pages stops at its first such entry, so a page of
-    another sequence is never read in its place.
+    A page that could not be stored (``ERROR_OUT_OF_PAGES``) has entry -1,
+    and so has every later page of the sequence; reading a sequence's pages
+    stops at its first such entry, so a page of another sequence is never
+    read in its place.
     """
     width = cache.block_tables.shape[1]
     columns = jnp.arange(width, dtype=jnp.int32)

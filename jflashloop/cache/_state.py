@@ -387,9 +387,14 @@ def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementat
     c = cache.config
     page_size = c.page_size
     page_number = cache.lengths // page_size - 1  # the page that just became full
-    wanted = completes & (page_number < c.max_pages_per_sequence)
+    rows = jnp.arange(c.max_sequences)
+    # No page is stored after a lost one (it would never be read): a sequence's pages are a prefix of its row.
+    previous = cache.block_tables[rows, jnp.clip(page_number - 1, 0, c.max_pages_per_sequence - 1)]
+    after_lost = (page_number > 0) & (previous < 0)
+    storable = completes & (page_number < c.max_pages_per_sequence)
+    wanted = storable & ~after_lost
     page_ids, page_free, granted = _allocate(cache.page_free, wanted)
-    errors = jnp.where(wanted & ~granted, ERROR_OUT_OF_PAGES, 0)
+    errors = jnp.where(storable & ~granted, ERROR_OUT_OF_PAGES, 0)
     errors = errors | jnp.where(completes & ~wanted, ERROR_SEQUENCE_FULL, 0)
     positions = page_number[:, None] * page_size + jnp.arange(page_size)[None, :]  # [B, P]
     ring_index = ring_slot(c, positions)[None, :, None, :, None]
@@ -407,7 +412,6 @@ def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementat
         loops = tuple(pool.put(page_ids, new) for pool, new in zip(layer.loops, tiles, strict=True))
         new_layers.append(dataclasses.replace(layer, loops=loops))
     errors = errors | jnp.where(saturated > 0, ERROR_SATURATED, 0)
-    rows = jnp.arange(c.max_sequences)
     column = jnp.where(granted, page_number, c.max_pages_per_sequence)  # out of range: dropped
     block_tables = cache.block_tables.at[rows, column].set(page_ids, mode="drop")
     return dataclasses.replace(

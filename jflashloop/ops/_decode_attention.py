@@ -212,6 +212,12 @@ def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: b
     sequence's first lost page, every block-table entry a kernel reads holds
     one of the sequence's own pages (never -1), and it attends exactly to
     :func:`jflashloop.paged_cache.sequence_regions`.
+
+    ``state`` (``(lengths int32 [max_sequences], active bool [max_sequences])``)
+    and ``limits`` (static ``(pending, max_tokens_per_sequence,
+    recent_tokens)``) let the Gluon kernel work the same regions out itself
+    (then nothing computes ``bounds``): a block-table entry of -1 ends a
+    sequence's pages there, since the cache stores no page after a lost one.
     """
     c = cache.config
     pool = cache.layers[layer]
@@ -227,6 +233,8 @@ def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: b
     return dict(
         block_tables=cache.block_tables,
         bounds=jnp.stack([visible, pages_end], axis=1).astype(jnp.int32),
+        state=(cache.lengths, cache.active),
+        limits=(int(include_pending), c.max_tokens_per_sequence, c.recent_tokens),
         streams=streams,
         sink_keys=pool.sink_keys if c.sink_tokens else None,
         sink_values=pool.sink_values if c.sink_tokens else None,
@@ -325,9 +333,9 @@ def _gluon(queries, cache, layer, loop, *, include_pending, scale, kernel_config
             options["precise"] = True
     output = gluon_decode.paged_decode_attention(
         queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], windows["sink_keys"],
-        windows["sink_values"], windows["ring_keys"], windows["ring_values"], loops=plan.loops,
-        page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=window_loop,
-        scale=_softmax_scale(c.head_dim, scale), **options)
+        windows["sink_values"], windows["ring_keys"], windows["ring_values"], state=inputs["state"],
+        limits=inputs["limits"], loops=plan.loops, page_size=c.page_size, sink_tokens=c.sink_tokens,
+        window_loop=window_loop, scale=_softmax_scale(c.head_dim, scale), **options)
     return unrotated_output(output, value_seed)
 
 

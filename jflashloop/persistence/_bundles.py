@@ -98,7 +98,8 @@ def export_pages(cache: PagedKVCache, slot: int) -> PageBundle:
     if not bool(cache.active[slot]):
         raise ValueError(f"slot {slot} is not active: there is no sequence to export")
     row = np.asarray(cache.block_tables[slot])
-    columns = np.flatnonzero(row >= 0).astype(np.int32)
+    held = row >= 0
+    columns = np.arange(np.argmin(held) if not held.all() else held.size, dtype=np.int32)  # up to a lost page
     page_ids = jnp.asarray(row[columns], jnp.int32)
     layers = tuple(
         LayerPool(
@@ -129,6 +130,11 @@ def _check_bundle(bundle: PageBundle) -> None:
     columns = np.asarray(bundle.page_columns)
     if columns.ndim != 1 or (columns.size and (np.diff(columns) <= 0).any()) or (columns < 0).any():
         raise PersistenceError("bundle.page_columns must be strictly increasing non-negative ints")
+    if (columns != np.arange(columns.size)).any():
+        raise PersistenceError(
+            f"bundle.page_columns must be 0 .. {columns.size - 1} (a sequence's pages up to its first lost "
+            f"page; none is stored after one), got {columns.tolist()}"
+        )
     if not 0 <= bundle.length <= c.max_tokens_per_sequence:
         raise PersistenceError(f"bundle.length {bundle.length} is outside [0, {c.max_tokens_per_sequence}]")
     template = _bundle_template(c, columns.size)

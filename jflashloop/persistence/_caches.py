@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import BinaryIO
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._errors import PersistenceError
 from ..cache._config import CacheConfig
@@ -50,6 +52,12 @@ def save(path, cache: PagedKVCache) -> None:
 def load(path, *, config: CacheConfig | None = None) -> PagedKVCache:
     """Read a cache written by :func:`save`: bit-identical arrays.
 
+    One exception: a file written by an earlier version may hold pages
+    stored after a sequence's lost page (block-table entry -1); no attention
+    or reconstruction reads those, and this version keeps a sequence's pages
+    a prefix of its block-table row, so they are released (entries set to
+    -1, pages marked free).
+
     Args:
       path: the file (``str``, ``bytes`` or ``os.PathLike``).
       config: if given, the stored config must equal it.
@@ -67,8 +75,25 @@ def _cache_from_stream(stream: BinaryIO, expected: CacheConfig | None) -> PagedK
     if expected is not None and stored != expected:
         raise PersistenceError(f"the file's config {stored} differs from the expected {expected}")
     template = jax.eval_shape(lambda: create(stored))
-    host = tree_from_arrays(template, arrays, "cache file")
+    host = _release_pages_after_lost(tree_from_arrays(template, arrays, "cache file"))
     problems = bookkeeping_problems(host)
     if problems:
         raise PersistenceError("cache file has inconsistent bookkeeping: " + "; ".join(problems[:10]))
     return jax.tree.map(jnp.asarray, host)
+
+
+def _release_pages_after_lost(host: PagedKVCache) -> PagedKVCache:
+    """``host`` (numpy leaves) with every page after a sequence's first lost page released."""
+    tables = np.asarray(host.block_tables)
+    full_pages = np.asarray(host.lengths) // host.config.page_size
+    columns = np.arange(tables.shape[1])
+    lost = (tables < 0) & (columns[None, :] < full_pages[:, None])
+    first_lost = np.where(lost.any(axis=1), lost.argmax(axis=1), tables.shape[1])
+    after = (columns[None, :] > first_lost[:, None]) & (tables >= 0)
+    if not after.any():
+        return host
+    page_free = np.array(host.page_free)
+    released = tables[after]
+    page_free[released[(released >= 0) & (released < page_free.shape[0])]] = True
+    return dataclasses.replace(host, block_tables=np.where(after, -1, tables).astype(tables.dtype),
+                               page_free=page_free)
