@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, compiled tests, kernel sweep, benchmarks.
 # Usage (from the repository root, on the device machine):
-#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole nsys gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep sharded quick bench codecs train demo
+#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole overhead gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep sharded quick bench codecs train demo
 # Logs go to $OUT (or ./out); a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -64,9 +64,8 @@ for stage in "$@"; do
              python3 bench/kernel_formulations.py --profile "$profiled" --shape 0 ;;
     ncuwhole) run_stage ncuwhole 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
              python3 bench/kernel_formulations.py --profile "${NCU_WHOLE:-public,gluon2-s2w}" --whole --shape "${NCU_SHAPE:-3}" ;;
-    nsys) run_stage nsys 200 bash -c "nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -o '$OUT/timeline' -f true \
-             python3 bench/kernel_formulations.py --profile '${NCU_WHOLE:-public}' --whole --shape '${NCU_SHAPE:-3}' \
-             && nsys stats --report cuda_gpu_trace --format csv -o '$OUT/timeline' '$OUT/timeline.nsys-rep'" ;;
+    overhead) run_stage overhead 120 python3 bench/call_overhead.py ;;
+    overheadlegacy) run_stage overheadlegacy 120 env JFLASHLOOP_TRITON_TARGET=legacy python3 bench/call_overhead.py ;;
     quick) run_stage quick 150 python3 bench/decode.py --quick --check ;;
     bench) run_stage bench 250 python3 bench/decode.py --json "$OUT/decode.json" --trace "$OUT/trace" ;;
     codecs) run_stage codecs 60 python3 bench/codec_speed.py ;;

@@ -5,7 +5,13 @@ XLA custom call under ``jax.jit``. Releases before 0.4 compile only Triton
 (``tt``) kernels; :func:`triton_call` here also accepts a ``gluon.jit``
 kernel by compiling it with ``triton.compile`` (the same stages Triton's own
 launcher runs) and handing the result to jax_triton's custom call. Everything
-else (arguments, grid, aliasing, the custom call) is jax_triton's.
+else (arguments, grid, aliasing, the custom call) is jax_triton's, except
+the custom call's target on jaxlib >= 0.10.1: releases before 0.4 lower to
+the legacy ``triton_kernel_call``, whose runtime finds the kernel by hashing
+the whole compressed kernel image on every call and which CUDA graphs cannot
+capture; :func:`_install_ffi_lowering` lowers them to the typed-FFI target
+``triton_kernel_call_ffi`` instead (as jax_triton 0.4 does), which resolves
+the kernel once when the executable is initialized (``USE_FFI_TARGET``).
 
 Importing this module needs a CUDA build of jaxlib, ``triton`` and
 ``jax_triton``: :func:`available` says whether they are there.
@@ -115,6 +121,47 @@ def _install_gluon_support() -> None:
 
 
 MAXNREG = "_jflashloop_maxnreg"
+# Lower to ``triton_kernel_call_ffi`` where jaxlib has it; JFLASHLOOP_TRITON_TARGET=legacy keeps the legacy
+# target (to compare the two).
+USE_FFI_TARGET = os.environ.get("JFLASHLOOP_TRITON_TARGET", "ffi") != "legacy"
+
+
+def _ffi_target_available() -> bool:
+    import jax
+
+    return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()) >= (0, 10, 1)
+
+
+@functools.cache
+def _install_ffi_lowering() -> None:
+    """Lower jax_triton < 0.4's custom calls to ``triton_kernel_call_ffi`` (api_version 4, ``opaque`` attribute)."""
+    import jax
+    import jax_triton
+    from jax._src.interpreters import mlir
+    from jax_triton import triton_lib as lib
+
+    if jax_triton.__version_info__ >= (0, 4) or not _ffi_target_available():
+        return
+    original = jax.ffi.ffi_lowering
+
+    def ffi_lowering(name, *, api_version=2, backend_config=None, **kwargs):
+        if name == "triton_kernel_call" and USE_FFI_TARGET:
+            rule = original("triton_kernel_call_ffi", api_version=4, **kwargs)
+            return lambda ctx, *args: rule(ctx, *args, opaque=backend_config)
+        return original(name, api_version=api_version, backend_config=backend_config, **kwargs)
+
+    class _Jax(types.ModuleType):  # jax, with the FFI lowering above
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+    shim = _Jax("jax")
+    shim.ffi = types.SimpleNamespace(ffi_lowering=ffi_lowering)
+    lowering = lib.triton_kernel_call_lowering
+    patched = types.FunctionType(lowering.__code__, {**lowering.__globals__, "jax": shim}, lowering.__name__,
+                                 lowering.__defaults__, lowering.__closure__)
+    patched.__kwdefaults__ = lowering.__kwdefaults__
+    mlir.register_lowering(lib.triton_kernel_call_p, functools.partial(patched, lib.get_cuda_backend),
+                           platform="cuda")
 
 
 def triton_call(*args, kernel, maxnreg: int | None = None, **kwargs):
@@ -124,6 +171,7 @@ def triton_call(*args, kernel, maxnreg: int | None = None, **kwargs):
     """
     import jax_triton
 
+    _install_ffi_lowering()
     if hasattr(kernel, "is_gluon") and kernel.is_gluon():
         _install_gluon_support()  # also for jax_triton >= 0.4: the register cap travels through it
         if maxnreg is not None:
