@@ -1,7 +1,7 @@
 """What one decode-attention call costs besides its bytes (GPU): the launch floor.
 
-Usage: ``python bench/call_overhead.py`` (``JFLASHLOOP_TRITON_TARGET=legacy`` for jax_triton's
-legacy custom-call target instead of the typed-FFI one)
+Usage: ``python bench/call_overhead.py`` (``JFLASHLOOP_TRITON_TARGET=ffi`` for the typed-FFI
+custom-call target instead of jax_triton's legacy one)
 
 Times the public call (and each formulation named) on a cache of one
 sequence, one KV head and one page, where the kernels have nothing to

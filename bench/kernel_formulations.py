@@ -47,11 +47,13 @@ def formulation(name, loop=0, pages_only=False):
         return bench.ours(loop, implementation=None)
     from jflashloop_triton_kernels import decode_attention as gluon
 
-    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-r<maxnreg>][-k][-m|-mx][-f|-x]: pipelined kernel, fused
-    # windows, token chunk, target programs, register cap, kernel partials only (no merge), merge inside the
-    # kernel (-m) or by XLA (-mx) instead of the merge kernel,
+    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-n<pages>][-r<maxnreg>][-k][-m|-mx|-mg][-f|-x]: pipelined
+    # kernel, fused windows, token chunk, target programs, least pages per split (default 8, as the library),
+    # register cap, kernel partials only (no merge), merge inside the kernel (-m), by XLA (-mx) or by the
+    # Gluon merge kernel (-mg) instead of the library's default,
     # one float16 query (-f) or the precise float16 pair (-x) instead of the head_dim's default
     stages, fused, chunk, programs, partials, maxnreg, merge, precise = None, False, None, 2048, False, None, None, None
+    min_pages = 8  # the library's default
     if name.startswith("gluon2-s"):
         kernel = "pipelined"
         head, *options = name.removeprefix("gluon2-s").split("-")
@@ -69,6 +71,10 @@ def formulation(name, loop=0, pages_only=False):
                 merge = "kernel"
             elif option == "mx":
                 merge = "xla"
+            elif option == "mg":
+                merge = "gluon"
+            elif option.startswith("n"):
+                min_pages = int(option[1:])
             elif option == "f":
                 precise = False
             elif option == "x":
@@ -90,7 +96,7 @@ def formulation(name, loop=0, pages_only=False):
             page_size=c.page_size, sink_tokens=c.sink_tokens, window_loop=window_loop,
             scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
             stages=stages, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
-            min_pages_per_split=1,
+            min_pages_per_split=min_pages,
             partials_only=partials, maxnreg=maxnreg, merge=merge, precise=precise)
         return out if partials else unrotated_output(out, value_seed)
 

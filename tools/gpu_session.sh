@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, compiled tests, kernel sweep, benchmarks.
 # Usage (from the repository root, on the device machine):
-#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole overhead gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep sharded quick bench codecs train demo
+#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole overhead overheadffi gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep sharded quick bench codecs train demo
 # Logs go to $OUT (or ./out); a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -50,7 +50,7 @@ for stage in "$@"; do
     gluontests) run_stage gluontests 200 python3 -m pytest -q -n 4 --maxfail=5 -p no:cacheprovider tests/test_gluon_decode.py ;;
     formulations) run_stage formulations 200 python3 bench/kernel_formulations.py ;;
     gluonbench) run_stage gluonbench 280 python3 bench/kernel_formulations.py --device-time --shapes 0,1,2,3,4,5 \
-             --names "${BENCH_NAMES:-pallas,public,gluon2-s2w,gluon2-s2w-x,gluon2-s2w-m,gluon2-s2w-x-m,gluon2-s2w-p1024-m}" ;;
+             --names "${BENCH_NAMES:-pallas,public,gluon2-s2w-mx,gluon2-s2w-mg,gluon2-s2w-mx-n1,gluon2-s2w-x}" ;;
     gluonformats) for spec in nvfp4:1 int4_rotated:1 int4:2 int4:4; do
                run_stage "formats-${spec/:/-loop}" 120 python3 bench/kernel_formulations.py --device-time --shapes 0,1 \
                  --value-format "${spec%%:*}" --loops "${spec##*:}" --names "${FORMATS_NAMES:-pallas,gluon2-s2w,gluon2-s2w-m}"
@@ -65,7 +65,7 @@ for stage in "$@"; do
     ncuwhole) run_stage ncuwhole 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
              python3 bench/kernel_formulations.py --profile "${NCU_WHOLE:-public,gluon2-s2w}" --whole --shape "${NCU_SHAPE:-3}" ;;
     overhead) run_stage overhead 120 python3 bench/call_overhead.py ;;
-    overheadlegacy) run_stage overheadlegacy 120 env JFLASHLOOP_TRITON_TARGET=legacy python3 bench/call_overhead.py ;;
+    overheadffi) run_stage overheadffi 120 env JFLASHLOOP_TRITON_TARGET=ffi python3 bench/call_overhead.py ;;
     quick) run_stage quick 150 python3 bench/decode.py --quick --check ;;
     bench) run_stage bench 250 python3 bench/decode.py --json "$OUT/decode.json" --trace "$OUT/trace" ;;
     codecs) run_stage codecs 60 python3 bench/codec_speed.py ;;

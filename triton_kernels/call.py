@@ -9,9 +9,10 @@ else (arguments, grid, aliasing, the custom call) is jax_triton's, except
 the custom call's target on jaxlib >= 0.10.1: releases before 0.4 lower to
 the legacy ``triton_kernel_call``, whose runtime finds the kernel by hashing
 the whole compressed kernel image on every call and which CUDA graphs cannot
-capture; :func:`_install_ffi_lowering` lowers them to the typed-FFI target
-``triton_kernel_call_ffi`` instead (as jax_triton 0.4 does), which resolves
-the kernel once when the executable is initialized (``USE_FFI_TARGET``).
+capture; :func:`_install_ffi_lowering` can lower them to the typed-FFI
+target ``triton_kernel_call_ffi`` instead (as jax_triton 0.4 does), which
+resolves the kernel once when the executable is initialized
+(``USE_FFI_TARGET``, opt-in through ``JFLASHLOOP_TRITON_TARGET=ffi``).
 
 Importing this module needs a CUDA build of jaxlib, ``triton`` and
 ``jax_triton``: :func:`available` says whether they are there.
@@ -121,9 +122,9 @@ def _install_gluon_support() -> None:
 
 
 MAXNREG = "_jflashloop_maxnreg"
-# Lower to ``triton_kernel_call_ffi`` where jaxlib has it; JFLASHLOOP_TRITON_TARGET=legacy keeps the legacy
-# target (to compare the two).
-USE_FFI_TARGET = os.environ.get("JFLASHLOOP_TRITON_TARGET", "ffi") != "legacy"
+# JFLASHLOOP_TRITON_TARGET=ffi lowers to ``triton_kernel_call_ffi`` where jaxlib has it; the default stays
+# jax_triton's legacy target until the FFI one has run on a GPU (bench/KERNEL_NOTES.md).
+USE_FFI_TARGET = os.environ.get("JFLASHLOOP_TRITON_TARGET", "legacy") == "ffi"
 
 
 def _ffi_target_available() -> bool:
