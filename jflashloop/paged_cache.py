@@ -29,14 +29,17 @@ Decoding a step: :func:`write_token` puts the new token's K/V of one (layer,
 loop) into the ring (not yet counted in ``lengths``), attention reads the
 ``lengths + 1`` visible tokens, and :func:`commit` counts the token for every
 active sequence and packs pages that became full. :func:`append` does both for
-all layers and loops at once.
+all layers and loops at once; :func:`append_tokens` appends a chunk of up to
+``chunk`` tokens per sequence (chunked prefill, the accepted tokens of
+speculative decoding), bit-identical to that many ``append`` calls.
 
 Bad input raises eagerly where it can be known (static shapes and dtypes
 always; slots, lengths and free pages when they are concrete, i.e. outside
 ``jit``). What cannot raise under ``jit`` sets bits of ``error_flags`` per
 sequence, and :func:`check` raises them on the host:
 
-* ``ERROR_OUT_OF_PAGES``: the pool ran out; a full page was not stored.
+* ``ERROR_OUT_OF_PAGES``: the pool ran out; a full page was not stored (nor
+  any later page of the sequence).
 * ``ERROR_SEQUENCE_FULL``: tokens beyond ``max_pages_per_sequence * page_size``
   were dropped (a dropped token changes nothing else in the cache).
 * ``ERROR_NONFINITE_INPUT``: NaN/+-inf K/V were stored as 0 (counted in
@@ -79,6 +82,8 @@ from .cache._regions import regions as regions
 from .cache._regions import stored_pages as stored_pages
 from .cache._regions import visible_tokens as visible_tokens
 from .cache._regions import window_mask as window_mask
+from .cache._chunks import append_tokens as append_tokens
+from .cache._chunks import check_chunk_arrays as check_chunk_arrays
 from .cache._state import append as append
 from .cache._state import check_append_arrays as check_append_arrays
 from .cache._state import check_prefill_arrays as check_prefill_arrays
@@ -103,6 +108,8 @@ __all__ = [
     "PagedStream",
     "Regions",
     "append",
+    "append_tokens",
+    "check_chunk_arrays",
     "bookkeeping_problems",
     "check",
     "check_append_arrays",

@@ -7,6 +7,7 @@
 * ``_regions``: where each token is read from (sink, pages, ring): ``regions()``;
 * ``_pages``: full pages of every loop as a residual chain of tiles, and back;
 * ``_state``: the state machine (create, prefill, write_token, commit, append, free);
+* ``_chunks``: ``append_tokens`` (a chunk of tokens per sequence at once);
 * ``_inspect``: reconstruct, check, validate;
 * ``_storage``: byte accounting.
 

@@ -81,14 +81,18 @@ def create(config: CacheConfig) -> PagedKVCache:
     )
 
 
-def _allocate(page_free: jax.Array, wanted: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Give each ``wanted`` request (bool ``[n]``) a distinct free page, in order.
+def _allocate(page_free: jax.Array, wanted: jax.Array, rank: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Give each ``wanted`` request (bool ``[n]``) a distinct free page, the lowest free ids first.
 
+    Requests are served in index order, or in the order of ``rank`` (int32
+    ``[n]``: each wanted request's 0-based place among the wanted ones).
     Returns ``(page_ids [n] int32 (num_pages where none), page_free, granted [n] bool)``.
     """
     num_pages = page_free.shape[0]
     free_ids = jnp.nonzero(page_free, size=wanted.shape[0], fill_value=num_pages)[0].astype(jnp.int32)
-    rank = jnp.cumsum(wanted.astype(jnp.int32)) - 1
+    if rank is None:
+        rank = jnp.cumsum(wanted.astype(jnp.int32)) - 1
     page_ids = jnp.where(wanted, free_ids[jnp.clip(rank, 0, wanted.shape[0] - 1)], num_pages)
     granted = wanted & (page_ids < num_pages)
     page_ids = jnp.where(granted, page_ids, num_pages)
