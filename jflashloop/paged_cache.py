@@ -60,6 +60,8 @@ Layers, loops and slots are 0-based Python ints (loop 0 is the base).
 transferring a cache). ``docs/reliability.md`` lists every rule.
 """
 
+from .cache._chunks import append_tokens as append_tokens
+from .cache._chunks import check_chunk_arrays as check_chunk_arrays
 from .cache._inspect import bookkeeping_problems as bookkeeping_problems
 from .cache._inspect import check as check
 from .cache._inspect import reconstruct as reconstruct
@@ -82,8 +84,6 @@ from .cache._regions import regions as regions
 from .cache._regions import stored_pages as stored_pages
 from .cache._regions import visible_tokens as visible_tokens
 from .cache._regions import window_mask as window_mask
-from .cache._chunks import append_tokens as append_tokens
-from .cache._chunks import check_chunk_arrays as check_chunk_arrays
 from .cache._state import append as append
 from .cache._state import check_append_arrays as check_append_arrays
 from .cache._state import check_prefill_arrays as check_prefill_arrays
@@ -109,10 +109,10 @@ __all__ = [
     "Regions",
     "append",
     "append_tokens",
-    "check_chunk_arrays",
     "bookkeeping_problems",
     "check",
     "check_append_arrays",
+    "check_chunk_arrays",
     "check_prefill_arrays",
     "check_prefill_values",
     "commit",
