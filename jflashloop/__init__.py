@@ -48,6 +48,8 @@ from .codecs import encode_with_statistics as encode_with_statistics
 from .codecs import global_scale_from_amax as global_scale_from_amax
 from .codecs import int2_lloyd_max as int2_lloyd_max
 from .codecs import int4_rotated as int4_rotated
+from .ops._chunk_attention import chunk_attention as chunk_attention
+from .ops._chunk_attention import chunk_attention_reference as chunk_attention_reference
 from .ops._decode_attention import decode_attention as decode_attention
 from .ops._decode_attention import decode_attention_reference as decode_attention_reference
 from .paged_cache import PagedKVCache as PagedKVCache
@@ -72,7 +74,7 @@ __all__ = [
     "E8_KEYS", "INT4_GROUP_ROTATED_VALUES", "INT4_KEYS", "INT4_VALUES", "NVFP4", "CacheConfig",
     "CacheStateError", "Chain", "CodecSpec", "EncodeStatistics", "LoopStorage",
     "NonFiniteInputError", "Packed", "PagedKVCache", "PersistenceError", "Policy", "Residual",
-    "SaturationError", "checked", "codecs", "count_saturations", "decode", "decode_attention",
+    "SaturationError", "checked", "chunk_attention", "chunk_attention_reference", "codecs", "count_saturations", "decode", "decode_attention",
     "decode_attention_reference", "decode_chain", "decode_loop", "decode_residual", "encode",
     "encode_chain", "encode_residual", "encode_with_statistics", "global_scale_from_amax",
     "int2_lloyd_max", "int4_rotated", "paged_cache", "persistence", "sharding", "sparse_loop",

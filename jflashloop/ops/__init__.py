@@ -5,6 +5,8 @@
   or the Pallas quantize-on-write kernels);
 * :mod:`._decode_attention`: decode attention over the paged cache (the
   reference path, the Pallas kernel, or the Gluon kernel);
+* :mod:`._chunk_attention`: a chunk of query tokens per sequence over the
+  cache and the chunk itself (chunked prefill, speculative verification);
 * :mod:`._dispatch`: resolving ``implementation`` (:class:`Implementation`)
   and trying backends in order;
 * :mod:`.arg_specs`: named shapes shared by tests and benchmarks.

@@ -1,0 +1,144 @@
+"""Attention of a chunk of new query tokens per sequence over the packed cache and the chunk itself.
+
+Chunked prefill and speculative verification attend with several query
+tokens per sequence: query ``i`` of sequence ``s`` sits at position
+``lengths[s] + i`` and attends causally, to the cached positions (packed
+pages, sink and recent windows, loop ``loop``'s chain) and to the chunk's
+own tokens ``0 .. i``, which are not in the cache yet (append them with
+:func:`jflashloop.paged_cache.append_tokens` afterwards).
+:func:`chunk_attention` resolves ``implementation`` once
+(:func:`jflashloop.ops._dispatch.call`); :func:`chunk_attention_reference`
+is the plain-JAX definition.
+
+The cached positions are read as :func:`~jflashloop.decode_attention` reads
+them after ``write_token`` of the chunk's first token (the regions of
+``lengths + 1`` visible tokens, without that token), so that a chunk of one
+token gives exactly ``decode_attention`` after ``write_token`` of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ..cache._chunks import check_counts, chunk_window_values
+from ..cache._inspect import reconstruct, sequence_regions
+from ..cache._layout import PagedKVCache
+from . import _dispatch
+
+BACKENDS = ("xla",)
+
+
+def check_chunk_arguments(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, counts):
+    """Raise ``TypeError``/``ValueError`` naming the expected shapes; returns int32 ``counts``."""
+    c = cache.config
+    for name, x in (("queries", queries), ("keys", keys), ("values", values)):
+        if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating array (float32, bfloat16, float16), got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 [max_sequences, chunk, heads, head_dim], got {tuple(x.shape)}")
+    sequences, chunk, q_heads, head_dim = queries.shape
+    if sequences != c.max_sequences or head_dim != c.head_dim or q_heads % c.num_kv_heads or chunk < 1:
+        raise ValueError(
+            f"queries must be [max_sequences={c.max_sequences}, chunk >= 1, q_heads (a multiple of "
+            f"{c.num_kv_heads}), head_dim={c.head_dim}], got {tuple(queries.shape)}"
+        )
+    expected = (c.max_sequences, chunk, c.num_kv_heads, c.head_dim)
+    for name, x in (("keys", keys), ("values", values)):
+        if tuple(x.shape) != expected:
+            raise ValueError(f"{name} must be [max_sequences, chunk, kv_heads, head_dim] = {expected}, "
+                             f"got {tuple(x.shape)}")
+    if not (0 <= layer < c.num_layers and 0 <= loop < c.num_loops):
+        raise ValueError(f"layer must be in [0, {c.num_layers}) and loop in [0, {c.num_loops}), got {layer}, {loop}")
+    return check_counts(counts, c.max_sequences, chunk)
+
+
+def chunk_attention_reference(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, counts, *,
+                              scale: float | None = None) -> jax.Array:
+    """Plain-JAX chunk attention (the semantic definition; float32 softmax at ``HIGHEST`` precision).
+
+    Args:
+      queries: ``[max_sequences, chunk, q_heads, head_dim]``, a floating dtype
+        (read as float32); query head ``h`` reads KV head ``h // (q_heads //
+        kv_heads)`` (GQA).
+      cache: the cache (the chunk's tokens are not in it).
+      layer, loop: 0-based Python ints.
+      keys, values: ``[max_sequences, chunk, kv_heads, head_dim]``, a
+        floating dtype: the chunk's own K/V of this layer and loop, read
+        rounded to the window dtype (as the ring would hold them; NaN/+-inf
+        as 0).
+      counts: int ``[max_sequences]`` in ``[0, chunk]`` (may be traced): the
+        chunk's tokens per sequence.
+      scale: softmax scale, default ``1 / sqrt(head_dim)``.
+    Returns:
+      float32 ``[max_sequences, chunk, q_heads, head_dim]``: query ``i <
+      counts[s]`` of an active sequence ``s`` (position ``lengths[s] + i``)
+      attends to the cached positions ``< lengths[s]`` the cache holds and to
+      the chunk's tokens ``j <= i`` at positions below
+      ``max_tokens_per_sequence`` (those beyond would be dropped by
+      ``append_tokens``); rows ``i >= counts[s]`` and inactive sequences are
+      zeros.
+    """
+    counts = check_chunk_arguments(queries, cache, layer, loop, keys, values, counts)
+    return _reference(queries, cache, layer, loop, keys, values, counts, scale=scale)
+
+
+def _reference(queries, cache, layer, loop, keys, values, counts, *, scale):
+    c = cache.config
+    sequences, chunk, q_heads, head_dim = queries.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    group = q_heads // c.num_kv_heads
+    counts = jnp.clip(counts, 0, chunk)
+    chunk_k = chunk_window_values(cache, keys)[0].astype(jnp.float32)
+    chunk_v = chunk_window_values(cache, values)[0].astype(jnp.float32)
+
+    def one_sequence(query, own_k, own_v, count, slot):
+        cached_k, cached_v, _ = reconstruct(cache, layer, loop, slot, include_pending=True)
+        regions = sequence_regions(cache, slot, include_pending=True)
+        length = cache.lengths[slot]
+        t = jnp.arange(cached_k.shape[0])
+        cached = (regions["sink"] | regions["ring"] | regions["pages"]) & (t < length)  # [T]
+        i = jnp.arange(chunk)
+        live = cache.active[slot] & (i < count)  # [C] query rows
+        own = (i[None, :] <= i[:, None]) & (length + i[None, :] < c.max_tokens_per_sequence)  # [C, C]
+        valid = jnp.concatenate([jnp.broadcast_to(cached, (chunk, t.shape[0])), own], axis=1) & live[:, None]
+        all_k = jnp.repeat(jnp.concatenate([cached_k, own_k], axis=0), group, axis=1)  # [T + C, q_heads, D]
+        all_v = jnp.repeat(jnp.concatenate([cached_v, own_v], axis=0), group, axis=1)
+        scores = jnp.einsum("chd,thd->hct", query.astype(jnp.float32), all_k,
+                            precision=jax.lax.Precision.HIGHEST) * scale
+        scores = jnp.where(valid[None], scores, -jnp.inf)
+        seen = jnp.any(valid, axis=1)  # [C]
+        top = jnp.max(scores, axis=-1, keepdims=True)
+        weights = jnp.where(valid[None], jnp.exp(scores - jnp.where(seen[None, :, None], top, 0.0)), 0.0)
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        out = jnp.einsum("hct,thd->chd", weights, all_v, precision=jax.lax.Precision.HIGHEST)
+        out = out / jnp.where(total > 0, total, 1.0).transpose(1, 0, 2)
+        return jnp.where(seen[:, None, None], out, 0.0)
+
+    return jax.vmap(one_sequence)(queries, chunk_k, chunk_v, counts, jnp.arange(sequences))
+
+
+def chunk_attention(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, counts, *,
+                    implementation: str | None = None, scale: float | None = None) -> jax.Array:
+    """Attention of a chunk of query tokens per sequence over the cache and the chunk (causal).
+
+    Same arguments and result as :func:`chunk_attention_reference`; with
+    ``chunk = 1`` it equals :func:`~jflashloop.decode_attention` (with
+    ``include_pending=True``) after ``write_token`` of the same token.
+
+    Args:
+      implementation: ``None`` or ``"xla"`` (the reference path; the only
+        backend so far).
+    Raises:
+      TypeError, ValueError: arrays of the wrong dtype or shape, layer or
+        loop out of range, concrete ``counts`` outside ``[0, chunk]``, an
+        unknown ``implementation``.
+    """
+    if implementation is not None and implementation not in BACKENDS:
+        _dispatch.resolve(implementation, choices=BACKENDS)  # raises the ValueError naming the choices
+    counts = check_chunk_arguments(queries, cache, layer, loop, keys, values, counts)
+    backends = {"xla": lambda chosen: _reference(queries, cache, layer, loop, keys, values, counts, scale=scale)}
+    return _dispatch.call(implementation, backends, automatic=("xla",))
