@@ -62,7 +62,7 @@ def run(args) -> int:
         def make(token_ids, first, policy=policy):
             if policy is None:
                 return model.dense(token_ids, first)
-            return model.paged(policy, token_ids, first)
+            return model.paged(policy, token_ids, first, prefill_chunk=args.prefill_chunk or None)
 
         if policy is None:
             decode, state = make(prompt_ids, prefix)
@@ -97,6 +97,8 @@ def run(args) -> int:
     for name, per_token, kl, agree, perplexity, speed in rows:
         print(f"| {name} | {per_token:,.0f} | {bf16 / per_token:.2f}x | {agree:.1%} | {kl:.5f} | "
               f"{perplexity:.3f} | {speed:.1f} |")
+    if args.prefill_chunk:
+        print(f"\n(The jflashloop caches took the prompt by chunked prefill, {args.prefill_chunk} tokens per chunk.)")
     print(f"\n(KV bytes: all {config.num_layers} layers, full pages; windows of 4 sink + 64 ring tokens "
           f"per sequence are extra. Agreement and KL over the {args.generate - 1} answer tokens after the "
           f"first, teacher forced; perplexity over tokens {paragraph_prefix + 1}-{len(paragraph_ids) - 1} "
@@ -154,5 +156,8 @@ def _plot(args, params, config, tokenizer) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generate", type=int, default=24, help="answer tokens to generate")
     parser.add_argument("--plot", default="jflashloop_demo.png", help="PNG path ('' to skip)")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="put the prompt into the jflashloop caches by chunked prefill of this many "
+                             "tokens per chunk (chunk_attention + append_tokens); 0: one exact prefill")
     parser.add_argument("--plot-tokens", type=int, default=512)
     parser.set_defaults(run=run)

@@ -130,3 +130,68 @@ def greedy_continuation(
         if progress is not None:
             progress()
     return generated, np.stack(rows)
+
+
+def ngram_draft(context, count: int, *, longest: int = 3) -> list[int]:
+    """Up to ``count`` draft tokens: what followed the latest earlier occurrence of the context's last
+    ``n`` tokens (``n = longest .. 1``, the longest that occurred); ``[]`` when none did."""
+    context = list(context)
+    for n in range(min(longest, len(context) - 1), 0, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == tail:
+                return context[start + n:start + n + count]
+    return []
+
+
+def speculative_greedy(params, config: llama.LlamaConfig, cache: paged_cache.PagedKVCache, prompt_ids, steps: int,
+                       *, draft_tokens: int = 4, draft: Callable | None = None,
+                       implementation: str | None = None) -> tuple[list[int], list[int]]:
+    """Greedy decoding with drafted tokens verified in one chunk per step (slot 0 of a one-loop cache).
+
+    ``cache`` holds ``prompt_ids[:-1]``. Each step runs the last token and
+    ``draft_tokens`` drafted ones (``draft(context, count)``, default
+    :func:`ngram_draft`) through :func:`llama.chunk_step` over the cache,
+    keeps the drafts that equal the greedy choice, adds the greedy token
+    after them, and appends only the kept tokens (``append_tokens``), so
+    rejected drafts never touch the cache. Every token emitted is the
+    argmax of the model's logits after its predecessors: the output is greedy
+    decoding's, up to the rounding of the chunk's own K/V (bfloat16 windows).
+
+    Returns:
+      ``(generated, accepted)``: ``steps`` token ids, and the drafts kept at each step.
+    """
+    draft = ngram_draft if draft is None else draft
+    chunk = draft_tokens + 1
+    c = cache.config
+    hook = cache_hooks.paged_chunk_attention_hook(implementation)
+
+    @jax.jit
+    def verify(cache, tokens, start):
+        ids = jnp.zeros((c.max_sequences, chunk), jnp.int32).at[0].set(tokens)
+        counts = jnp.zeros((c.max_sequences,), jnp.int32).at[0].set(chunk)
+        positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (c.max_sequences, chunk))
+        logits, keys, values = llama.chunk_step(params, config, ids, positions, hook, (cache, counts))
+        return jnp.argmax(logits[0], axis=-1).astype(jnp.int32), keys, values
+
+    @jax.jit
+    def keep(cache, keys, values, kept):
+        counts = jnp.zeros((c.max_sequences,), jnp.int32).at[0].set(kept)
+        return cache_hooks.append_chunk_one_loop(cache, keys, values, counts, implementation=implementation)
+
+    context = [int(t) for t in prompt_ids]
+    generated, accepted = [], []
+    while len(generated) < steps:
+        proposal = (list(draft(context, draft_tokens)) + [0] * draft_tokens)[:draft_tokens]
+        tokens = jnp.asarray([context[-1], *proposal], jnp.int32)
+        choices, keys, values = verify(cache, tokens, jnp.int32(len(context) - 1))
+        choices = [int(t) for t in np.asarray(choices)]
+        kept = 0
+        while kept < draft_tokens and proposal[kept] == choices[kept]:
+            kept += 1
+        new = proposal[:kept] + [choices[kept]]
+        cache = keep(cache, keys, values, jnp.int32(kept + 1))  # the last token and the kept drafts
+        context += new
+        generated += new
+        accepted.append(kept)
+    return generated[:steps], accepted

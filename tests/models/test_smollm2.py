@@ -230,3 +230,28 @@ def test_chunked_prefill_gives_the_same_greedy_answer(model):
         assert int(state.lengths[0]) == prefix and prefix > 3 * 64
         answers.append(cached_decoding.greedy_continuation(decode, state, prompt, prefix, 8)[0])
     assert answers[0] == answers[1], [tokenizer.decode(a) for a in answers]
+
+
+def test_speculative_decoding_equals_greedy(model):
+    """n-gram drafts verified four at a time over the INT4 cache emit greedy decoding's tokens."""
+    from jflashloop.apps import demo, quality
+    from jflashloop.models import cached_decoding
+
+    params, config, tokenizer = model
+    paragraph = gguf_loader.read_data_text("paragraph.txt")
+    prompt = tokenizer.encode(gguf_loader.format_chat_prompt(f"{paragraph}\n\n{demo.QUESTION}")).ids
+    cached = cached_decoding.CachedModel(params, config, max_tokens=len(prompt) + 24)
+    prefix = len(prompt) - 1
+    decode, state = cached.paged(quality.DEFAULT_POLICY, prompt, prefix)
+    plain = cached_decoding.greedy_continuation(decode, state, prompt, prefix, 12)[0]
+    generated, accepted = cached_decoding.speculative_greedy(params, config, state, prompt, 12)
+    assert generated == plain, [tokenizer.decode(g) for g in (generated, plain)]
+    assert len(accepted) < 12  # some drafts were kept (fewer verification steps than tokens)
+
+
+def test_ngram_draft():
+    from jflashloop.models.cached_decoding import ngram_draft
+
+    assert ngram_draft([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
+    assert ngram_draft([5, 6, 7], 2) == []
+    assert ngram_draft([4, 1, 8, 4], 5) == [1, 8, 4]
