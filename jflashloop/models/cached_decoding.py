@@ -189,7 +189,7 @@ def speculative_greedy(params, config: llama.LlamaConfig, cache: paged_cache.Pag
         kept = 0
         while kept < draft_tokens and proposal[kept] == choices[kept]:
             kept += 1
-        new = proposal[:kept] + [choices[kept]]
+        new = [*proposal[:kept], choices[kept]]
         cache = keep(cache, keys, values, jnp.int32(kept + 1))  # the last token and the kept drafts
         context += new
         generated += new
