@@ -197,7 +197,7 @@ def test_chunk_then_append_tokens_is_the_next_cache(rng):
     """After attending, the accepted tokens go in with append_tokens; a 1-token chunk then reads them."""
     config = small_config(page_size=16, num_pages=64)
     cache, _ = build(rng, config, prompt_lengths=[30, 12, 15], steps=0)
-    queries, keys, values = _chunk(rng, config, 5)
+    _, keys, values = _chunk(rng, config, 5)
     accepted = jnp.asarray([5, 2, 1], jnp.int32)
     after = paged_cache.append_tokens(cache, keys, values, accepted)
     assert np.asarray(after.lengths).tolist() == [35, 14, 16]
