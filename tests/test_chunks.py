@@ -228,3 +228,23 @@ def test_chunk_attention_checks_its_arguments(rng):
     traced = jax.jit(lambda n: jflashloop.chunk_attention(queries, cache, 0, 0, k, v, n))(ones * 2)
     assert not np.asarray(traced)[:, 2:].any() and np.asarray(traced)[0, :2].any()
     assert HEAD_DIM == config.head_dim
+
+
+@pytest.mark.parametrize("chunk, q_heads, loop", [(3, 8, 0), (1, 4, 0), (8, 4, 2), (2, 2, 1)])
+def test_gluon_chunk_path_matches_the_reference(rng, chunk, q_heads, loop):
+    """The Gluon decode kernel over the pages (numpy emulation of its body on a CPU; compiled on a GPU
+    in test_gluon_decode's manner), the chunk's own tokens in XLA: up to 32 query rows per KV head."""
+    pytest.importorskip("triton.experimental.gluon")
+    from jflashloop.ops import _chunk_attention
+
+    config = small_config(num_layers=1, head_dim=64, page_size=16, max_pages_per_sequence=8, num_pages=64,
+                          num_loops=3)
+    cache, _ = build(rng, config, prompt_lengths=[70, 0, 33], steps=1)
+    queries, keys, values = _chunk(rng, config, chunk, q_heads=q_heads)
+    counts = jnp.asarray([chunk, chunk, max(chunk - 1, 0)], jnp.int32)
+    layer_k, layer_v = keys[0, loop], values[0, loop]
+    expected = jflashloop.chunk_attention_reference(queries, cache, 0, loop, layer_k, layer_v, counts)
+    actual = _chunk_attention._gluon(queries, cache, 0, loop, layer_k, layer_v, counts, scale=None, emulate=True)
+    assert actual.shape == expected.shape
+    assert (_relative(actual, expected) < 2e-3).all(), _relative(actual, expected)
+    assert not np.asarray(actual)[2, max(chunk - 1, 0):].any()

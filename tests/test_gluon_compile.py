@@ -69,3 +69,13 @@ def test_simple_kernel_uses_no_shared_memory():
     assert compiled.metadata.shared == 0
     assert _count(ptx, r"ld\.shared|st\.shared|ldmatrix") == 0
     assert _count(ptx, r"mma\.sync\.aligned\.m16n8k16") == 96  # 64 score + 32 value products per page
+
+
+def test_pipelined_kernel_reads_more_query_rows_in_blocks_of_eight():
+    """Chunk attention's 16-32 query rows per KV head: the same register-only kernel, no spills."""
+    single = compile_check.compile_pages_kernel("pipelined", precise=False, group=4)
+    for row_blocks, group in ((2, 16), (4, 27)):
+        compiled = compile_check.compile_pages_kernel("pipelined", precise=False, group=group, row_blocks=row_blocks)
+        ptx = compiled.asm["ptx"]
+        assert _count(ptx, r"st\.shared") == 0 and compiled.metadata.shared == single.metadata.shared
+        assert compile_check.ptxas_resources(ptx, "sm_90a")["spill_stores"] == 0

@@ -42,7 +42,8 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
                          value_group: int = 64, sink_tokens: int = 4, ring: int = 64, stages: int = 2,
                          chunk: int | None = None, capability: int = 90, maxnreg: int | None = None,
                          streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = (),
-                         merge: bool = False, precise: bool = True, group: int = 8, query: str = "*bf16"):
+                         merge: bool = False, precise: bool = True, group: int = 8, query: str = "*bf16",
+                         row_blocks: int = 1):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel.
 
     ``kernel``: ``"pipelined"`` or ``"simple"`` (Gluon, 1 warp) or
@@ -50,7 +51,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     ``decode_attention.page_partials`` launches it); ``merge``: the pipelined
     kernel merges the splits itself; ``group`` and ``query``: the pipelined
     kernel's query rows per KV head and their pointer type (it scales and
-    pads the caller's queries).
+    pads the caller's queries); ``row_blocks``: blocks of 8 of those rows.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -78,7 +79,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     outputs = OUTPUTS + (MERGE_OUTPUTS if pipelined else [])
     if pipelined:
         constants.update(MERGE=merge, GROUP=group, PRECISE=precise, QSCALE=0.12753, PENDING=1, CAPACITY=1 << 20,
-                         RECENT=64)
+                         RECENT=64, RB=row_blocks)
     heads = [query, "*i32", "*i32", "*i1"] if pipelined else POINTERS  # query, table, (lengths, active | bounds)
     types = heads + stream + windows + scalars + outputs + ["constexpr"] * len(constants)
     signature = dict(zip(fn.arg_names, types, strict=True))

@@ -26,8 +26,14 @@ ROWS = 8
 LOG2_E = math.log2(math.e)
 
 
-def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel: str = "pipelined") -> str | None:
-    """Why the Gluon kernel cannot read these streams, or None if it can."""
+def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel: str = "pipelined",
+                       rows: int = ROWS) -> str | None:
+    """Why the Gluon kernel cannot read these streams, or None if it can.
+
+    ``group``: query rows per KV head; ``rows``: the most the caller accepts
+    (the pipelined kernel reads up to 32 in blocks of 8, re-reading the
+    pages per block: ``chunk_attention``; decode keeps 8).
+    """
     dense = [loop for loop in loops if not loop.sparse]
     sparse = loops[len(dense):]
     most = 2 if kernel == "pipelined" else 1
@@ -63,8 +69,9 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel:
         return f"the {kernel} Gluon kernel needs value groups of a power of two >= {smallest}, got {values.group_size}"
     if not 16 <= page_size <= 128:
         return f"the Gluon kernel reads pages of 16 to 128 tokens, got {page_size}"
-    if group > ROWS:
-        return f"the Gluon kernel reads GQA groups of at most {ROWS} query heads, got {group}"
+    most = min(rows, 4 * ROWS) if kernel == "pipelined" else ROWS
+    if group > most:
+        return f"the Gluon kernel reads GQA groups of at most {most} query heads, got {group}"
     return None
 
 
@@ -101,7 +108,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   num_warps: int = 1, num_stages: int = 1, stages: int | None = None, windows=None,
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
                   emulate: bool = False, merge_group: int | None = None, precise: bool = True,
-                  query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0)):
+                  query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0),
+                  row_blocks: int = 1):
     """Run the Gluon page kernel.
 
     Args:
@@ -121,9 +129,12 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         with ``row_positions``) and their stored rows per tile.
       merge_group: merge the splits inside the kernel and also return the
         output float32 ``[S, H * merge_group, D]`` (pipelined kernel only).
+      row_blocks: blocks of 8 query rows per KV head (pipelined kernel; the
+        query ``[S, H, group, D]`` with ``group <= 8 row_blocks``).
     Returns:
-      ``(out [S, H, splits, 8, D], sum [S, H, splits, 8], max [S, H, splits, 8])``
-      float32, natural channel order.
+      ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
+      splits, 8], max [...])`` float32, natural channel order (program ``h *
+      row_blocks + b`` holds rows ``8 b ..`` of KV head ``h``).
     """
     from . import call, gluon_decode, triton_decode
 
@@ -138,10 +149,13 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
     pages_per_split = -(-max_pages // splits)
     # With fused windows, a program of its own (split index ``splits``, no pages) attends over them.
     slots = splits + 1 if windows is not None and window_program else splits
+    if row_blocks != 1 and (stages is None or merge_group is not None or group > ROWS * row_blocks):
+        raise ValueError("row blocks need the pipelined kernel, no in-kernel merge and group <= 8 row_blocks")
+    programs = kv_heads * row_blocks
     out_shape = [
-        jax.ShapeDtypeStruct((sequences, kv_heads, slots, ROWS, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((sequences, kv_heads, slots, ROWS), jnp.float32),
-        jax.ShapeDtypeStruct((sequences, kv_heads, slots, ROWS), jnp.float32),
+        jax.ShapeDtypeStruct((sequences, programs, slots, ROWS, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((sequences, programs, slots, ROWS), jnp.float32),
+        jax.ShapeDtypeStruct((sequences, programs, slots, ROWS), jnp.float32),
     ]
     stream_format = 0 if keys["minimum"] is not None else (1 if keys["global_scale"] is not None else 2)
 
@@ -183,7 +197,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
             raise ValueError(f"merge_group {merge_group} differs from the query's {group} rows")
         extra.update(MERGE=merge_group is not None, GROUP=group, PRECISE=precise,
                      QSCALE=1.0 if query_scale is None else float(query_scale),
-                     PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]))
+                     PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]), RB=row_blocks)
     elif query_scale is not None:
         raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
@@ -202,10 +216,10 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
     constants = dict(D=head_dim, PAGE=page_size, GV=value_group, SINK=sink_tokens, **extra)
     zeroed = (len(out_shape) - 1,) if merge_group else ()  # the merge counters start at zero (hashable: a jaxpr parameter)
     if emulate:  # the kernel's own body on the CPU (numpy), for tests
-        return _emulated_call(kernel, (sequences, kv_heads, slots), arrays, scalars, out_shape, constants)
+        return _emulated_call(kernel, (sequences, programs, slots), arrays, scalars, out_shape, constants)
     return call.triton_call(
         *arrays, *scalars, zeroed_outputs=zeroed,
-        kernel=kernel, out_shape=out_shape, grid=(sequences, kv_heads, slots),
+        kernel=kernel, out_shape=out_shape, grid=(sequences, programs, slots),
         num_warps=num_warps, num_stages=num_stages, name=f"jflashloop_int4_pages_{splits=}",
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
         **constants,
@@ -280,17 +294,22 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     sequences, q_heads, head_dim = queries.shape
     kv_heads = ring_keys.shape[2]
     group = q_heads // kv_heads
-    reason = unsupported_reason(loops, head_dim, page_size, group, kernel)
+    pipelined = kernel == "pipelined"
+    row_blocks = -(-group // ROWS) if pipelined else 1  # more than 8 rows: blocks of 8, pages read per block
+    reason = unsupported_reason(loops, head_dim, page_size, group, kernel, rows=ROWS * row_blocks)
     if reason:
         raise NotImplementedError(reason)
+    if row_blocks > 1 and merge == "kernel":
+        raise NotImplementedError("the in-kernel merge reads groups of at most 8 query rows")
     max_pages = block_tables.shape[1]
     if splits is None:
-        wanted = -(-target_programs // (sequences * kv_heads))
+        wanted = -(-target_programs // (sequences * kv_heads * row_blocks))
         splits = max(1, min(wanted, -(-max_pages // min_pages_per_split)))
-    pipelined = kernel == "pipelined"
-    query = queries.astype(jnp.float32) * (scale * LOG2_E)  # the simple kernels and the window partials
-    query = query.reshape(sequences, kv_heads, group, head_dim)
-    query = jnp.pad(query, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
+    query = None
+    if not pipelined or not (fused_windows and not pages_only):  # the simple kernels and the window partials
+        query = queries.astype(jnp.float32) * (scale * LOG2_E)
+        query = query.reshape(sequences, kv_heads, group, head_dim)
+        query = jnp.pad(query, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     stream = streams[0]
     fused_windows = fused_windows and pipelined and not pages_only
     windows = None
@@ -319,12 +338,19 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         sparse_rows=sparse_rows, merge_group=group if in_kernel else None, precise=precise, page_size=page_size,
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
-        query_scale=scale * LOG2_E if pipelined else None, state=state,
+        query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks,
         **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]
     if in_kernel:
         return outputs[3]
+    if row_blocks > 1:  # [S, H * RB, slots, 8, ...] -> [S, H, slots, RB * 8, ...]
+        def rows_together(x):
+            x = x.reshape(sequences, kv_heads, row_blocks, *x.shape[2:])
+            x = jnp.moveaxis(x, 2, 3)
+            return x.reshape(*x.shape[:3], row_blocks * ROWS, *x.shape[5:])
+
+        output, total, running_max = (rows_together(x) for x in (output, total, running_max))
     if partials_only:
         return output, total, running_max
     if not (pages_only or fused_windows):
@@ -336,7 +362,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         output = jnp.concatenate([output, w_out], axis=2)
         total = jnp.concatenate([total, w_sum], axis=2)
         running_max = jnp.concatenate([running_max, w_max], axis=2)
-    if merge == "gluon":
+    if merge == "gluon" and row_blocks == 1:
         return merge_partials(output, total, running_max, group, emulate=emulate).reshape(
             sequences, q_heads, head_dim)
     # The group's rows only (the slice fuses into the merge's reductions).

@@ -1163,7 +1163,7 @@ def int4_pages_kernel_v2(
     FORMAT: gl.constexpr = 0, SPARSE: gl.constexpr = 0, R3: gl.constexpr = 16, R4: gl.constexpr = 16,
     MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
-    RECENT: gl.constexpr = 0,
+    RECENT: gl.constexpr = 0, RB: gl.constexpr = 1,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1187,7 +1187,11 @@ def int4_pages_kernel_v2(
     The query ``q_ptr`` here is the caller's ``[S, H * GROUP, D]`` (float32,
     bfloat16 or float16, natural channel order, not padded): the kernel
     scales it by ``QSCALE`` (softmax scale * log2(e)) in float32 and pads
-    the group to 8 rows itself."""
+    the group to 8 rows itself. With ``RB`` > 1 (``GROUP`` up to ``8 RB``
+    query rows per KV head, e.g. a chunk of queries times the GQA group) the
+    grid's second axis is ``H * RB``: program ``h * RB + b`` reads KV head
+    ``h`` for rows ``8 b .. 8 b + 7`` and writes partials ``[S, H * RB,
+    slots, 8, D]``."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
     MMA: gl.constexpr = _mma()
@@ -1200,9 +1204,12 @@ def int4_pages_kernel_v2(
     QL: gl.constexpr = _query_layout(D)
 
     seq = gl.program_id(0)
-    head = gl.program_id(1)
+    virtual = gl.program_id(1)  # KV head * RB + block of 8 query rows
     split = gl.program_id(2)
-    program = (seq * kv_heads + head).to(gl.int64)
+    head = virtual // RB
+    row_block = virtual % RB
+    program = (seq * kv_heads + head).to(gl.int64)  # (sequence, KV head): its query rows
+    partial = (seq * (kv_heads * RB) + virtual).to(gl.int64)  # this program's partials
 
     kw_s, vw_s, ks_s, km_s, vs_s, vm_s = _stream_buffers(STAGES, PAGE, W, D, NG, FORMAT)
     if STREAMS == 2:
@@ -1246,7 +1253,7 @@ def int4_pages_kernel_v2(
         async_copy.commit_group()
 
     # The query, float16, logical key order, rows 8-15 zero: the A operand.
-    q_rows = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
+    q_rows = row_block * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
     q_cols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
     query = gl.load(q_ptr + program * (GROUP * D) + gl.expand_dims(q_rows, 1) * D + gl.expand_dims(q_cols, 0),
                     mask=gl.expand_dims(q_rows < GROUP, 1), other=0.0).to(gl.float32) * QSCALE
@@ -1376,16 +1383,16 @@ def int4_pages_kernel_v2(
                     query, ring_k_ptr + window * (RING * D), ring_v_ptr + window * (RING * D), chunk * 16,
                     RING, valid, total, run_max, acc, D, W, A_OP, B_OP, MMA)
 
-    slot = program * slots + split
+    slot = partial * slots + split
     o_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     o_chan = _value_physical(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), W)
-    # The group's rows only (rows GROUP-7 are padding; nothing reads them).
+    # The group's rows only (rows past GROUP are padding; nothing reads them).
     gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows, 0) * D + gl.expand_dims(o_chan, 1), acc,
-             mask=gl.expand_dims(o_rows < GROUP, 0))
+             mask=gl.expand_dims(row_block * 8 + o_rows < GROUP, 0))
     r_sum = gl.arange(0, 8, layout=total.type.layout)
-    gl.store(sum_ptr + slot * 8 + r_sum, total, mask=r_sum < GROUP)
+    gl.store(sum_ptr + slot * 8 + r_sum, total, mask=row_block * 8 + r_sum < GROUP)
     r_max = gl.arange(0, 8, layout=run_max.type.layout)
-    gl.store(max_ptr + slot * 8 + r_max, run_max, mask=r_max < GROUP)
+    gl.store(max_ptr + slot * 8 + r_max, run_max, mask=row_block * 8 + r_max < GROUP)
     if MERGE:
         # Release this program's partials, count it; the last of its (sequence, head) merges them.
         done = gl.atomic_add(counter_ptr + program, 1, sem="acq_rel", scope="gpu")

@@ -23,12 +23,20 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jflashloop_pallas_kernels import decode_attention as pallas_decode
+from jflashloop_triton_kernels import call as triton_call
+from jflashloop_triton_kernels import decode_attention as gluon_decode
+
 from ..cache._chunks import check_counts, chunk_window_values
 from ..cache._inspect import reconstruct, sequence_regions
 from ..cache._layout import PagedKVCache
+from ..cache._state import write_token
+from ..codecs import rotate
 from . import _dispatch
+from ._decode_attention import kernel_inputs, kernel_plan, rotated_inputs, unrotated_output
 
-BACKENDS = ("xla",)
+BACKENDS = ("xla", "gluon")
+LOG2_E = math.log2(math.e)
 
 
 def check_chunk_arguments(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, counts):
@@ -121,6 +129,75 @@ def _reference(queries, cache, layer, loop, keys, values, counts, *, scale):
     return jax.vmap(one_sequence)(queries, chunk_k, chunk_v, counts, jnp.arange(sequences))
 
 
+def _gluon(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, counts, *, scale, interpret=False,
+           emulate: bool = False):
+    """The Gluon decode kernel over the cache, the chunk's own tokens in XLA, one merge.
+
+    The chunk's ``C x group`` query rows of each KV head go through the
+    page kernel in blocks of 8 (it re-reads the pages per block), with the
+    chunk's token 0 written into the ring first so that the kernel attends to
+    it as the pending token (every query sees it); tokens ``1 .. i`` of the
+    chunk (causal) are one more partial, computed in XLA. ``emulate`` runs
+    the kernel's body on the CPU (tests).
+    """
+    c = cache.config
+    sequences, chunk, q_heads, head_dim = queries.shape
+    heads = c.num_kv_heads
+    group = q_heads // heads
+    rows = chunk * group
+    if not emulate:
+        if not _dispatch.on_gpu():
+            raise NotImplementedError("the Gluon kernel runs on CUDA GPUs only")
+        if interpret:
+            raise NotImplementedError("the Gluon kernel has no interpret mode (its CPU emulation is for tests)")
+        if not triton_call.available():
+            raise NotImplementedError("the Gluon kernel needs jax_triton (pip install jax-triton)")
+    plan = kernel_plan(c, loop)
+    reason = gluon_decode.unsupported_reason(plan.loops, head_dim, c.page_size, rows, rows=4 * gluon_decode.ROWS)
+    if reason:
+        raise NotImplementedError(f"{reason} (chunk x GQA group query rows per KV head)")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    written = write_token(cache, layer, loop, keys[:, 0], values[:, 0])  # token 0: the kernel's pending token
+    inputs = kernel_inputs(written, layer, loop, include_pending=True)
+    # Query rows per KV head, ordered (chunk position, GQA head): [S, H * rows, D].
+    flat = queries.reshape(sequences, chunk, heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    flat = flat.reshape(sequences, heads * rows, head_dim)
+    flat, windows, window_loop, value_seed = rotated_inputs(flat, written, loop, inputs, plan)
+    out, total, top = gluon_decode.paged_decode_attention(
+        flat, inputs["block_tables"], inputs["bounds"], inputs["streams"], windows["sink_keys"],
+        windows["sink_values"], windows["ring_keys"], windows["ring_values"], state=inputs["state"],
+        limits=inputs["limits"], loops=plan.loops, page_size=c.page_size, sink_tokens=c.sink_tokens,
+        window_loop=window_loop, scale=scale, partials_only=True, emulate=emulate)
+    out, total, top = out[:, :, :, :rows], total[..., :rows], top[..., :rows]  # [S, H, slots, rows, (D)]
+
+    # The chunk's tokens 1 .. i for query row (i, g), in the kernel's basis and base-2 logits.
+    own_k = chunk_window_values(cache, keys)[0].astype(jnp.float32)  # [S, C, H, D]
+    own_v = chunk_window_values(cache, values)[0].astype(jnp.float32)
+    if plan.key_seed is not None:
+        own_k = rotate(own_k, plan.key_seed)
+    if value_seed is not None:
+        own_v = rotate(own_v, value_seed)
+    q = flat.astype(jnp.float32).reshape(sequences, heads, rows, head_dim) * (scale * LOG2_E)
+    logits = jnp.einsum("shrd,schd->shrc", q, own_k, precision=jax.lax.Precision.HIGHEST)
+    position = jnp.arange(rows) // group  # chunk index of each query row
+    j = jnp.arange(chunk)
+    kept = (cache.lengths[:, None] + j[None, :]) < c.max_tokens_per_sequence  # [S, C]
+    valid = ((j[None, :] >= 1) & (j[None, :] <= position[:, None]))[None, None] & kept[:, None, None, :]
+    logits = jnp.where(valid, logits, pallas_decode.MASK_VALUE)
+    own_top = jnp.max(logits, axis=-1)  # [S, H, rows]
+    weights = jnp.where(valid, jnp.exp2(logits - own_top[..., None]), 0.0)
+    own_out = jnp.einsum("shrc,schd->shrd", weights, own_v, precision=jax.lax.Precision.HIGHEST)
+    merged = pallas_decode.merge_splits(
+        jnp.concatenate([out, own_out[:, :, None]], axis=2),
+        jnp.concatenate([total, jnp.sum(weights, axis=-1)[:, :, None]], axis=2),
+        jnp.concatenate([top, own_top[:, :, None]], axis=2))  # [S, H, rows, D]
+    merged = unrotated_output(merged, value_seed)
+    live = cache.active[:, None] & (jnp.arange(chunk)[None, :] < jnp.clip(counts, 0, chunk)[:, None])  # [S, C]
+    merged = merged.reshape(sequences, heads, chunk, group, head_dim).transpose(0, 2, 1, 3, 4)
+    merged = merged.reshape(sequences, chunk, q_heads, head_dim)
+    return jnp.where(live[:, :, None, None], merged, 0.0)
+
+
 def chunk_attention(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, counts, *,
                     implementation: str | None = None, scale: float | None = None) -> jax.Array:
     """Attention of a chunk of query tokens per sequence over the cache and the chunk (causal).
@@ -130,8 +207,11 @@ def chunk_attention(queries, cache: PagedKVCache, layer: int, loop: int, keys, v
     ``include_pending=True``) after ``write_token`` of the same token.
 
     Args:
-      implementation: ``None`` or ``"xla"`` (the reference path; the only
-        backend so far).
+      implementation: ``None`` (the reference path), ``"xla"`` (the same) or
+        ``"gluon"`` (GPU: the Gluon decode kernel reads the packed pages for
+        up to 32 query rows (chunk x GQA group) per KV head, in blocks of 8,
+        and the chunk's own tokens are attended in XLA; not yet the
+        automatic choice: it has not been timed on a GPU).
     Raises:
       TypeError, ValueError: arrays of the wrong dtype or shape, layer or
         loop out of range, concrete ``counts`` outside ``[0, chunk]``, an
@@ -140,5 +220,9 @@ def chunk_attention(queries, cache: PagedKVCache, layer: int, loop: int, keys, v
     if implementation is not None and implementation not in BACKENDS:
         _dispatch.resolve(implementation, choices=BACKENDS)  # raises the ValueError naming the choices
     counts = check_chunk_arguments(queries, cache, layer, loop, keys, values, counts)
-    backends = {"xla": lambda chosen: _reference(queries, cache, layer, loop, keys, values, counts, scale=scale)}
+    backends = {
+        "xla": lambda chosen: _reference(queries, cache, layer, loop, keys, values, counts, scale=scale),
+        "gluon": lambda chosen: _gluon(queries, cache, layer, loop, keys, values, counts, scale=scale,
+                                       interpret=chosen.interpret),
+    }
     return _dispatch.call(implementation, backends, automatic=("xla",))
