@@ -67,11 +67,18 @@ def main() -> int:
             cudnn = f"{device_ms(lambda q, k, v: cudnn_chunk(q, k, v), queries, [(dense_k, dense_v)]):.3f}"
         except Exception as failure:  # report and go on
             cudnn = f"failed: {type(failure).__name__}"
-        ours_ms = device_ms(lambda q, c, k, v, n: jflashloop.chunk_attention(q, c, 0, 0, k, v, n),
-                            queries, [(cache, own_k, own_v, counts)])
-        ratio = f"{float(cudnn) / ours_ms:.2f}x" if not cudnn.startswith("failed") else ""
-        print(f"| {name} | {sequences} {q_heads} {kv_heads} | {chunk} | {cudnn} | {ours_ms:.3f} | {ratio} |",
-              flush=True)
+        for implementation in ("xla", "gluon"):
+            try:
+                ours_ms = device_ms(
+                    lambda q, c, k, v, n, i=implementation: jflashloop.chunk_attention(
+                        q, c, 0, 0, k, v, n, implementation=i), queries, [(cache, own_k, own_v, counts)])
+            except NotImplementedError as reason:
+                print(f"| {name} | {sequences} {q_heads} {kv_heads} | {chunk} | {cudnn} | {implementation}: "
+                      f"{str(reason)[:120]} | |", flush=True)
+                continue
+            ratio = f"{float(cudnn) / ours_ms:.2f}x" if not cudnn.startswith("failed") else ""
+            print(f"| {name} | {sequences} {q_heads} {kv_heads} | {chunk} | {cudnn} | {implementation} "
+                  f"{ours_ms:.3f} | {ratio} |", flush=True)
         if name == "chunked prefill":
             keys = jnp.broadcast_to(own_k[None, None], (1, 1, *own_k.shape))
             values = jnp.broadcast_to(own_v[None, None], (1, 1, *own_v.shape))
