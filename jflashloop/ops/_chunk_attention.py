@@ -78,8 +78,8 @@ def chunk_attention_reference(queries, cache: PagedKVCache, layer: int, loop: in
         floating dtype: the chunk's own K/V of this layer and loop, read
         rounded to the window dtype (as the ring would hold them; NaN/+-inf
         as 0).
-      counts: int ``[max_sequences]`` in ``[0, chunk]`` (may be traced): the
-        chunk's tokens per sequence.
+      counts: int ``[max_sequences]`` in ``[0, chunk]`` (may be traced; under
+        ``jit`` values outside are clamped): the chunk's tokens per sequence.
       scale: softmax scale, default ``1 / sqrt(head_dim)``.
     Returns:
       float32 ``[max_sequences, chunk, q_heads, head_dim]``: query ``i <
