@@ -1,8 +1,10 @@
-"""Appending a chunk of tokens per sequence: ``paged_cache.append_tokens``.
+"""Chunks of tokens per sequence: ``paged_cache.append_tokens`` and ``jflashloop.chunk_attention``.
 
-The reference is ``append`` called once per chunk step with the slots that
-take a token at that step (the others set inactive for that call): every
-array of the resulting cache must match bit for bit.
+``append_tokens``' reference is ``append`` called once per chunk step with
+the slots that take a token at that step (the others set inactive for that
+call): every array of the resulting cache must match bit for bit.
+``chunk_attention`` is checked against a float64 oracle over ``reconstruct``
+plus the chunk, and against ``decode_attention`` for one-token chunks.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jflashloop
 from jflashloop import paged_cache
 from tests.bits import assert_bits_equal
-from tests.builders import build, looped_tokens, small_config, tiny_config
+from tests.builders import HEAD_DIM, build, looped_tokens, small_config, tiny_config
 
 
 @jax.jit
@@ -100,9 +103,6 @@ def test_append_tokens_checks_its_arguments(rng):
 
 
 # --------------------------------------------------------------------------- chunk attention
-
-import jflashloop  # noqa: E402
-from tests.builders import HEAD_DIM  # noqa: E402
 
 
 def chunk_oracle(queries, cache, layer, loop, keys, values, counts, scale=None):
