@@ -319,6 +319,17 @@ BAD_INPUTS = [
                                      page_free=jnp.array([False] * 3 + [True] * 3)),
                             *kv(layout=(1, 2, 2, 1, 16))),
      ValueError, "already hold max_pages_per_sequence \\* page_size = 48 tokens"),
+    ("append_tokens: counts out of range",
+     lambda: paged_cache.append_tokens(one_active_cache(), *kv(layout=(1, 2, 2, 3, 1, 16)), jnp.asarray([1, 4])),
+     ValueError, "counts must be in \\[0, chunk=3\\], got counts\\[1\\] = 4"),
+    ("append_tokens: no chunk axis",
+     lambda: paged_cache.append_tokens(one_active_cache(), *kv(layout=(1, 2, 2, 1, 16)), jnp.asarray([1, 1])),
+     ValueError, "keys must be \\[layers=1, loops=2, max_sequences=2, chunk, kv_heads=1, head_dim=16\\], "
+                 "got shape \\(1, 2, 2, 1, 16\\)"),
+    ("chunk_attention: another chunk length",
+     lambda: jflashloop.chunk_attention(jnp.ones((2, 3, 1, 16)), one_active_cache(), 0, 0, jnp.ones((2, 2, 1, 16)),
+                                        jnp.ones((2, 2, 1, 16)), jnp.asarray([1, 1])),
+     ValueError, "keys must be \\[max_sequences, chunk, kv_heads, head_dim\\] = \\(2, 3, 1, 16\\), got \\(2, 2, 1, 16\\)"),
 ]
 
 
