@@ -28,20 +28,17 @@ from ._layout import (
 )
 from ._pages import pack_pages_with_saturations, tile_saturations
 from ._regions import ring_slot
-from ._state import _allocate, _check_kv, _count_per_sequence, _stored_values
+from ._state import _allocate, _count_per_sequence, _stored_values, check_kv_pair
 
 
 def check_chunk_arrays(cache: PagedKVCache, keys, values) -> None:
     """``append_tokens``' checks of ``keys`` and ``values``: arrays
     ``[layers, loops, max_sequences, chunk, kv_heads, head_dim]`` of a float dtype, ``chunk >= 1``."""
     c = cache.config
-    expected = (c.num_layers, c.num_loops, c.max_sequences, None, c.num_kv_heads, c.head_dim)
     layout = (f"[layers={c.num_layers}, loops={c.num_loops}, max_sequences={c.max_sequences}, chunk, "
               f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
-    _check_kv("keys", keys, expected, layout)
-    _check_kv("values", values, expected, layout)
-    if tuple(values.shape) != tuple(keys.shape):
-        raise ValueError(f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}")
+    check_kv_pair(keys, values, (c.num_layers, c.num_loops, c.max_sequences, None, c.num_kv_heads, c.head_dim),
+                  layout)
     if keys.shape[3] == 0:
         raise ValueError("keys must hold a chunk of at least one token")
 

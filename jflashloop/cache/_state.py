@@ -147,6 +147,14 @@ def _check_kv(name: str, x, expected: tuple[int, ...], layout: str) -> None:
         raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, float16), got {dtype}")
 
 
+def check_kv_pair(keys, values, expected: tuple[int | None, ...], layout: str) -> None:
+    """:func:`_check_kv` of both, and equal shapes."""
+    _check_kv("keys", keys, expected, layout)
+    _check_kv("values", values, expected, layout)
+    if tuple(values.shape) != tuple(keys.shape):
+        raise ValueError(f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}")
+
+
 def check_prefill_arrays(cache: PagedKVCache, keys, values) -> None:
     """``prefill``'s checks of ``keys`` and ``values`` (static: shapes and dtypes).
 
@@ -156,11 +164,7 @@ def check_prefill_arrays(cache: PagedKVCache, keys, values) -> None:
     c = cache.config
     layout = (f"[layers={c.num_layers}, loops={c.num_loops}, tokens, "
               f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]")
-    expected = (c.num_layers, c.num_loops, None, c.num_kv_heads, c.head_dim)
-    _check_kv("keys", keys, expected, layout)
-    _check_kv("values", values, expected, layout)
-    if tuple(values.shape) != tuple(keys.shape):
-        raise ValueError(f"values shape {tuple(values.shape)} must equal keys shape {tuple(keys.shape)}")
+    check_kv_pair(keys, values, (c.num_layers, c.num_loops, None, c.num_kv_heads, c.head_dim), layout)
     if keys.shape[2] == 0:
         raise ValueError("keys must hold at least one token (pass length=0 with padding for an empty prompt)")
 

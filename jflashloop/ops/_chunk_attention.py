@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from jflashloop_pallas_kernels import decode_attention as pallas_decode
-from jflashloop_triton_kernels import call as triton_call
 from jflashloop_triton_kernels import decode_attention as gluon_decode
 
 from ..cache._chunks import check_counts, chunk_window_values
@@ -33,7 +32,13 @@ from ..cache._layout import PagedKVCache
 from ..cache._state import write_token
 from ..codecs import rotate
 from . import _dispatch
-from ._decode_attention import kernel_inputs, kernel_plan, rotated_inputs, unrotated_output
+from ._decode_attention import (
+    check_gluon_runs,
+    kernel_inputs,
+    kernel_plan,
+    rotated_inputs,
+    unrotated_output,
+)
 
 BACKENDS = ("xla", "gluon")
 LOG2_E = math.log2(math.e)
@@ -146,12 +151,7 @@ def _gluon(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, co
     group = q_heads // heads
     rows = chunk * group
     if not emulate:
-        if not _dispatch.on_gpu():
-            raise NotImplementedError("the Gluon kernel runs on CUDA GPUs only")
-        if interpret:
-            raise NotImplementedError("the Gluon kernel has no interpret mode (its CPU emulation is for tests)")
-        if not triton_call.available():
-            raise NotImplementedError("the Gluon kernel needs jax_triton (pip install jax-triton)")
+        check_gluon_runs(interpret)
     plan = kernel_plan(c, loop)
     reason = gluon_decode.unsupported_reason(plan.loops, head_dim, c.page_size, rows, rows=4 * gluon_decode.ROWS)
     if reason:

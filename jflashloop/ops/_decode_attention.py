@@ -290,14 +290,19 @@ def gluon_is_default(config: CacheConfig, loop: int) -> bool:
     return True
 
 
-def _gluon_plan(queries, cache: PagedKVCache, loop: int, interpret: bool = False) -> KernelPlan:
-    """The :class:`KernelPlan`, or ``NotImplementedError`` saying why the Gluon kernel cannot serve the call."""
+def check_gluon_runs(interpret: bool = False) -> None:
+    """``NotImplementedError`` unless the Gluon kernels can run here (a CUDA GPU, ``jax_triton``, no interpret mode)."""
     if not _dispatch.on_gpu():
         raise NotImplementedError("the Gluon kernel runs on CUDA GPUs only")
     if interpret:
         raise NotImplementedError("the Gluon kernel has no interpret mode (its CPU emulation is for tests)")
     if not triton_call.available():
         raise NotImplementedError("the Gluon kernel needs jax_triton (pip install jax-triton)")
+
+
+def _gluon_plan(queries, cache: PagedKVCache, loop: int, interpret: bool = False) -> KernelPlan:
+    """The :class:`KernelPlan`, or ``NotImplementedError`` saying why the Gluon kernel cannot serve the call."""
+    check_gluon_runs(interpret)
     c = cache.config
     if queries.ndim != 3 or queries.shape[1] % c.num_kv_heads:
         raise NotImplementedError("queries must be [max_sequences, q_heads, head_dim]")
