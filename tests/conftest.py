@@ -31,3 +31,20 @@ def rng(request):
     seed = int(os.environ.get("JFLASHLOOP_TEST_SEED", secrets.randbits(32)))
     print(f"{request.node.nodeid}: JFLASHLOOP_TEST_SEED={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drop jax's compiled executables after each test module.
+
+    Every executable XLA compiles for the CPU keeps memory mappings of its
+    code; a test process that compiles a few thousand of them passes the
+    kernel's limit of mappings per process (``vm.max_map_count``, 65530 by
+    default), and the next compilation crashes. Clearing the caches per
+    module keeps each worker far below it (at the cost of compiling a shared
+    function again in the next module).
+    """
+    yield
+    import jax
+
+    jax.clear_caches()
