@@ -27,7 +27,7 @@ from ._layout import (
     PagedKVCache,
 )
 from ._pages import pack_pages_with_saturations, tile_saturations
-from ._regions import ring_slot
+from ._regions import ring_positions, ring_slot
 from ._state import _allocate, _count_per_sequence, _stored_values, check_kv_pair
 
 
@@ -69,15 +69,6 @@ def chunk_window_values(cache: PagedKVCache, x: jax.Array) -> tuple[jax.Array, j
     """
     stored, nonfinite, overflow = _stored_values(x, cache.window_dtype)
     return stored.astype(cache.window_dtype), nonfinite, overflow
-
-
-def _latest_chunk_index(slot_offset: jax.Array, stored: jax.Array, period: int) -> tuple[jax.Array, jax.Array]:
-    """For a slot that chunk token ``i`` writes when ``i % period == slot_offset``: the last such ``i < stored``.
-
-    Returns ``(index, written)`` (int32 and bool, broadcast shapes).
-    """
-    index = slot_offset + period * jnp.floor_divide(stored - 1 - slot_offset, period)
-    return jnp.maximum(index, 0), (slot_offset < stored)
 
 
 def append_tokens(cache: PagedKVCache, keys: jax.Array, values: jax.Array, counts, *,
@@ -127,14 +118,15 @@ def append_tokens(cache: PagedKVCache, keys: jax.Array, values: jax.Array, count
 
     lengths = cache.lengths
     sequences = jnp.arange(c.max_sequences)
-    # Ring slot w ends up holding the latest stored chunk token that maps to it (or keeps its token).
-    capacity = c.window_tokens
-    ring_offset = (jnp.arange(capacity)[None, :] - lengths[:, None]) % capacity  # [S, W]
-    ring_index, ring_written = _latest_chunk_index(ring_offset, stored[:, None], capacity)
+    # Ring slot w ends up holding the latest position it holds after the chunk: a chunk token if that
+    # position is >= lengths, else it keeps its token.
+    ring_position, _ = ring_positions(c, (lengths + stored)[:, None])  # [S, W]
+    ring_index = ring_position - lengths[:, None]
+    ring_written = ring_index >= 0
     sink_index = jnp.arange(c.sink_tokens)[None, :] - lengths[:, None]  # [S, SINK]
     sink_written = (sink_index >= 0) & (sink_index < stored[:, None])
 
-    def put_windows(old, new, index, written, tokens):
+    def put_windows(old, new, index, written):
         """old [loops, S, H, tokens, D]; new [loops, S, chunk, H, D] -> rows ``index`` where ``written``."""
         rows = jnp.take_along_axis(new, jnp.clip(index, 0, chunk - 1)[None, :, :, None, None], axis=2)
         rows = rows.transpose(0, 1, 3, 2, 4)  # [loops, S, H, tokens, D]
@@ -190,10 +182,10 @@ def append_tokens(cache: PagedKVCache, keys: jax.Array, values: jax.Array, count
         pack_saturated = pack_saturated + counted
         new_layers.append(dataclasses.replace(
             layer, loops=loops,
-            ring_keys=put_windows(layer.ring_keys, new_k, ring_index, ring_written, capacity),
-            ring_values=put_windows(layer.ring_values, new_v, ring_index, ring_written, capacity),
-            sink_keys=put_windows(layer.sink_keys, new_k, sink_index, sink_written, c.sink_tokens),
-            sink_values=put_windows(layer.sink_values, new_v, sink_index, sink_written, c.sink_tokens),
+            ring_keys=put_windows(layer.ring_keys, new_k, ring_index, ring_written),
+            ring_values=put_windows(layer.ring_values, new_v, ring_index, ring_written),
+            sink_keys=put_windows(layer.sink_keys, new_k, sink_index, sink_written),
+            sink_values=put_windows(layer.sink_values, new_v, sink_index, sink_written),
         ))
     saturated = saturated + pack_saturated
     errors = errors | jnp.where(nonfinite > 0, ERROR_NONFINITE_INPUT, 0) | jnp.where(saturated > 0, ERROR_SATURATED, 0)
