@@ -253,8 +253,8 @@ class CacheMachine(RuleBasedStateMachine):
         return [int(s) for s in np.flatnonzero(~self.active)]
 
     def _take_page(self, slot):
-        """A page filled for ``slot``: stored if the pool has one, else lost and flagged."""
-        stored = self.free_pages > 0
+        """A page filled for ``slot``: stored if the pool has one and no earlier page was lost, else lost and flagged."""
+        stored = self.free_pages > 0 and all(self.pages[slot])
         self.free_pages -= int(stored)
         self.pages[slot].append(stored)
         if not stored:

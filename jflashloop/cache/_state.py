@@ -403,7 +403,7 @@ def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementat
     wanted = storable & ~after_lost
     page_ids, page_free, granted = _allocate(cache.page_free, wanted)
     errors = jnp.where(storable & ~granted, ERROR_OUT_OF_PAGES, 0)
-    errors = errors | jnp.where(completes & ~wanted, ERROR_SEQUENCE_FULL, 0)
+    errors = errors | jnp.where(completes & ~storable, ERROR_SEQUENCE_FULL, 0)
     positions = page_number[:, None] * page_size + jnp.arange(page_size)[None, :]  # [B, P]
     ring_index = ring_slot(c, positions)[None, :, None, :, None]
 
