@@ -159,12 +159,12 @@ def _install_ffi_lowering() -> None:
     from jax._src.interpreters import mlir
     from jax_triton import triton_lib as lib
 
-    if jax_triton.__version_info__ >= (0, 4) or not _ffi_target_available():
+    if not USE_FFI_TARGET or jax_triton.__version_info__ >= (0, 4) or not _ffi_target_available():
         return
     original = jax.ffi.ffi_lowering
 
     def ffi_lowering(name, *, api_version=2, backend_config=None, **kwargs):
-        if name == "triton_kernel_call" and USE_FFI_TARGET:
+        if name == "triton_kernel_call":
             rule = original("triton_kernel_call_ffi", api_version=4, **kwargs)
             return lambda ctx, *args: rule(ctx, *args, opaque=backend_config)
         return original(name, api_version=api_version, backend_config=backend_config, **kwargs)
@@ -176,7 +176,11 @@ def _install_ffi_lowering() -> None:
     shim = _Jax("jax")
     shim.ffi = types.SimpleNamespace(ffi_lowering=ffi_lowering)
     lowering = lib.triton_kernel_call_lowering
-    patched = types.FunctionType(lowering.__code__, {**lowering.__globals__, "jax": shim}, lowering.__name__,
+    # The copy's globals are a snapshot of the module's: the kernel lookup stays the module's current one
+    # (the Gluon support below replaces it).
+    globals_ = {**lowering.__globals__, "jax": shim,
+                "get_or_create_triton_kernel": lambda *a, **k: lib.get_or_create_triton_kernel(*a, **k)}
+    patched = types.FunctionType(lowering.__code__, globals_, lowering.__name__,
                                  lowering.__defaults__, lowering.__closure__)
     patched.__kwdefaults__ = lowering.__kwdefaults__
     mlir.register_lowering(lib.triton_kernel_call_p, functools.partial(patched, lib.get_cuda_backend),
@@ -190,9 +194,9 @@ def triton_call(*args, kernel, maxnreg: int | None = None, **kwargs):
     """
     import jax_triton
 
+    _install_gluon_support()  # Gluon kernels (also for jax_triton >= 0.4: the register cap travels through it)
     _install_ffi_lowering()
     if hasattr(kernel, "is_gluon") and kernel.is_gluon():
-        _install_gluon_support()  # also for jax_triton >= 0.4: the register cap travels through it
         if maxnreg is not None:
             kwargs[MAXNREG] = maxnreg
     elif maxnreg is not None:
