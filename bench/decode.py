@@ -88,7 +88,11 @@ def random_cache(config: CacheConfig, tokens: int, seed: int) -> paged_cache.Pag
     pages_per_sequence = tokens // config.page_size
     key, permutation_key = jax.random.split(key)
     order = jax.random.permutation(permutation_key, config.num_pages).astype(jnp.int32)
-    block_tables = order[: config.max_sequences * pages_per_sequence].reshape(config.max_sequences, -1)
+    used = order[: config.max_sequences * pages_per_sequence].reshape(config.max_sequences, -1)
+    # Room beyond ``tokens`` (a config for tokens + chunk) stays unallocated: -1 columns, free pages.
+    block_tables = jnp.full((config.max_sequences, config.max_pages_per_sequence), -1, jnp.int32)
+    block_tables = block_tables.at[:, :pages_per_sequence].set(used)
+    page_free = jnp.ones((config.num_pages,), bool).at[used.reshape(-1)].set(False)
     layers = []
     for layer in cache.layers:
         loops = []
@@ -116,7 +120,7 @@ def random_cache(config: CacheConfig, tokens: int, seed: int) -> paged_cache.Pag
         cache, layers=tuple(layers), block_tables=block_tables,
         lengths=jnp.full((config.max_sequences,), tokens, jnp.int32),
         active=jnp.ones((config.max_sequences,), bool),
-        page_free=jnp.zeros((config.num_pages,), bool),
+        page_free=page_free,
     )
 
 
