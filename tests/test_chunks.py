@@ -252,3 +252,25 @@ def test_gluon_chunk_path_matches_the_reference(rng, chunk, q_heads, loop):
     assert actual.shape == expected.shape
     assert (_relative(actual, expected) < 2e-3).all(), _relative(actual, expected)
     assert not np.asarray(actual)[2, max(chunk - 1, 0):].any()
+
+
+def test_the_automatic_choice_on_a_gpu_tries_gluon_then_xla(rng, monkeypatch):
+    """On a GPU the Gluon path goes first; where it cannot serve the call, the XLA path."""
+    from jflashloop.ops import _chunk_attention, _dispatch
+
+    config = small_config(page_size=16, num_pages=64)
+    cache, _ = build(rng, config, prompt_lengths=[30, 12, 50], steps=0)
+    queries, keys, values = _chunk(rng, config, 3)
+    counts = jnp.full((3,), 3, jnp.int32)
+    expected = jflashloop.chunk_attention(queries, cache, 0, 0, keys[0, 0], values[0, 0], counts, implementation="xla")
+    tried = []
+
+    def recorded(*args, **kwargs):  # as the Gluon path does where it cannot serve the call
+        tried.append("gluon")
+        raise NotImplementedError("not here")
+
+    monkeypatch.setattr(_chunk_attention, "_gluon", recorded)
+    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    actual = jflashloop.chunk_attention(queries, cache, 0, 0, keys[0, 0], values[0, 0], counts)
+    assert tried == ["gluon"]
+    assert_bits_equal(np.asarray(actual), np.asarray(expected), "the XLA path's result")
