@@ -33,6 +33,11 @@ all layers and loops at once; :func:`append_tokens` appends a chunk of up to
 ``chunk`` tokens per sequence (chunked prefill, the accepted tokens of
 speculative decoding), bit-identical to that many ``append`` calls.
 
+Prefix sharing: :func:`fork` starts a free slot with the first tokens of
+another sequence, sharing its full packed pages (``page_refs`` counts each
+page's holders; a page returns to the pool when the last one frees it) and
+copying its windows; appends to either never change what the other reads.
+
 Bad input raises eagerly where it can be known (static shapes and dtypes
 always; slots, lengths and free pages when they are concrete, i.e. outside
 ``jit``). What cannot raise under ``jit`` sets bits of ``error_flags`` per
@@ -84,6 +89,8 @@ from .cache._regions import regions as regions
 from .cache._regions import stored_pages as stored_pages
 from .cache._regions import visible_tokens as visible_tokens
 from .cache._regions import window_mask as window_mask
+from .cache._sharing import check_fork_values as check_fork_values
+from .cache._sharing import fork as fork
 from .cache._state import append as append
 from .cache._state import check_append_arrays as check_append_arrays
 from .cache._state import check_prefill_arrays as check_prefill_arrays
@@ -113,10 +120,12 @@ __all__ = [
     "check",
     "check_append_arrays",
     "check_chunk_arrays",
+    "check_fork_values",
     "check_prefill_arrays",
     "check_prefill_values",
     "commit",
     "create",
+    "fork",
     "free",
     "prefill",
     "reconstruct",

@@ -95,7 +95,7 @@ def cache_partition_specs(cache: PagedKVCache, axes: MeshAxes = MeshAxes()):
             continue
         if field.name == "block_tables":
             per_sequence[field.name] = P(d, None)
-        elif field.name == "page_free":
+        elif field.name == "page_refs":
             per_sequence[field.name] = P(d)
         elif value.shape[:1] == (cache.config.max_sequences,) and value.ndim == 1:
             per_sequence[field.name] = P(d)
@@ -190,6 +190,51 @@ def prefill(cache: PagedKVCache, mesh: Mesh, slot: int | jax.Array, keys, values
     length = jnp.asarray(tokens if length is None else length, jnp.int32)
     run = _prefill_function(mesh, local, cache.config, axes, implementation)
     return run(cache, jnp.asarray(slot, jnp.int32), keys, values, length)
+
+
+@functools.cache
+def _fork_function(mesh, local, global_config, axes, whole):
+    template = jax.eval_shape(lambda: paged_cache.create(global_config))
+    specs = cache_partition_specs(template, axes)
+
+    def body(cache, source, target, tokens):
+        cache = _with_config(cache, local)
+        shard = jax.lax.axis_index(axes.data) if axes.data in mesh.shape else 0
+        updated = jax.lax.cond(
+            source // local.max_sequences == shard,
+            lambda c: paged_cache.fork(c, source % local.max_sequences, target % local.max_sequences,
+                                       None if whole else tokens),
+            lambda c: c,
+            cache,
+        )
+        return _with_config(updated, global_config)
+
+    return jax.jit(_shard_mapped(body, mesh, (specs, P(), P(), P()), specs), donate_argnums=0)
+
+
+def fork(cache: PagedKVCache, mesh: Mesh, source_slot: int, target_slot: int, tokens=None, *,
+         axes: MeshAxes = MeshAxes()) -> PagedKVCache:
+    """Sharded :func:`jflashloop.paged_cache.fork` of global sequence slots (no communication).
+
+    Both slots must belong to the same data shard (each shard has its own
+    page pool; a page cannot be shared across pools). The cache is donated.
+
+    Raises:
+      ValueError: a slot out of range, or slots of different data shards.
+    """
+    local = local_config(cache.config, mesh, axes)
+    for name, slot in (("source_slot", source_slot), ("target_slot", target_slot)):
+        if not 0 <= int(slot) < cache.config.max_sequences:
+            raise ValueError(f"{name} must be in [0, {cache.config.max_sequences}), got {slot}")
+    source_shard, target_shard = int(source_slot) // local.max_sequences, int(target_slot) // local.max_sequences
+    if source_shard != target_shard:
+        raise ValueError(
+            f"a fork stays within a data shard: slot {source_slot} is on data shard {source_shard}, "
+            f"slot {target_slot} on {target_shard} ({local.max_sequences} slots per shard)"
+        )
+    run = _fork_function(mesh, local, cache.config, axes, tokens is None)
+    return run(cache, jnp.asarray(source_slot, jnp.int32), jnp.asarray(target_slot, jnp.int32),
+               jnp.asarray(0 if tokens is None else tokens, jnp.int32))
 
 
 @functools.cache

@@ -171,10 +171,35 @@ def run_error_checks() -> None:
         check("6 heads on a model axis of 4 raises", False)
 
 
+def run_fork_checks() -> None:
+    """A fork within a data shard equals the single-device fork; across shards it raises."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=AUTO)
+    rng = np.random.default_rng(5)
+    keys, values = tokens(rng, (2, 4, 72, 8, 16)), tokens(rng, (2, 4, 72, 8, 16))
+    single = paged_cache.prefill(paged_cache.create(config()), 2, keys, values, 70)
+    single = paged_cache.fork(single, 2, 3, 40)
+    sharded = sharding.prefill(sharding.create(config(), mesh), mesh, 2, keys, values, 70)
+    sharded = sharding.fork(sharded, mesh, 2, 3, 40)
+    check("fork within a data shard: same page references",
+          np.array_equal(np.asarray(sharded.page_refs).sum(), np.asarray(single.page_refs).sum()))
+    for layer, loop in ((0, 0), (1, 3)):
+        got = sharding.reconstruct(sharded, mesh, layer, loop, 3)
+        want = paged_cache.reconstruct(single, layer, loop, 3)
+        check(f"fork within a data shard: slot 3 layer {layer} loop {loop} as on one device",
+              all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got[:2], want[:2], strict=True)))
+    try:
+        sharding.fork(sharded, mesh, 2, 4)
+    except ValueError as error:
+        check(f"a fork across data shards raises: {error}", "within a data shard" in str(error))
+    else:
+        check("a fork across data shards raises", False)
+
+
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     run_codec_checks()
     run_error_checks()
+    run_fork_checks()
     inputs = make_inputs(0)
     single = single_device_reference(inputs)
     for data, model in ((8, 1), (4, 2), (2, 4)):

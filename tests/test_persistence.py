@@ -158,8 +158,8 @@ def test_wrong_kind_config_or_bookkeeping_is_refused():
     with pytest.raises(PersistenceError, match="differs from the expected"):
         persistence.cache_from_bytes(data, config=other)
     # Valid checksums, inconsistent contents: every page marked free.
-    broken = dataclasses.replace(busy_cache(), page_free=jnp.ones((CONFIG.num_pages,), bool))
-    with pytest.raises(PersistenceError, match=r"inconsistent bookkeeping: page .* marked free"):
+    broken = dataclasses.replace(busy_cache(), page_refs=jnp.zeros((CONFIG.num_pages,), jnp.int32))
+    with pytest.raises(PersistenceError, match=r"inconsistent bookkeeping: page .* but page_refs"):
         persistence.cache_from_bytes(persistence.cache_to_bytes(broken))
 
 
@@ -205,8 +205,8 @@ def test_import_refuses_what_does_not_fit():
     with pytest.raises(IndexError, match="slot must be in \\[0, 3\\), got 3"):
         persistence.import_pages(busy_cache(), 3, bundle)
     with pytest.raises(PersistenceError, match="needs 2 free pages, this cache has 1"):
-        full = dataclasses.replace(busy_cache(), page_free=busy_cache().page_free.at[jnp.arange(10)].set(
-            jnp.arange(10) == 9))
+        full = dataclasses.replace(busy_cache(), page_refs=busy_cache().page_refs.at[jnp.arange(10)].set(
+            jnp.where(jnp.arange(10) == 9, 0, 1)))
         persistence.import_pages(full, 1, bundle)
     narrow = paged_cache.create(dataclasses.replace(CONFIG, max_pages_per_sequence=1))
     with pytest.raises(PersistenceError, match="does not fit max_pages_per_sequence=1"):
@@ -471,7 +471,7 @@ def _cache_with_a_hole():
     return dataclasses.replace(
         cache,
         block_tables=cache.block_tables.at[2, 0].set(-1),
-        page_free=cache.page_free.at[int(row[0])].set(True),
+        page_refs=cache.page_refs.at[int(row[0])].set(0),
         error_flags=cache.error_flags.at[2].set(cache.error_flags[2] | paged_cache.ERROR_OUT_OF_PAGES),
     ), row
 

@@ -107,7 +107,7 @@ def _with_header(header_bytes: bytes) -> bytes:
 
 def _import_into_a_full_cache():
     bundle = persistence.export_pages(one_active_cache(), 0)
-    return persistence.import_pages(_corrupt(page_free=jnp.zeros((6,), bool)), 1, bundle)
+    return persistence.import_pages(_corrupt(page_refs=jnp.ones((6,), jnp.int32)), 1, bundle)
 
 
 BAD_INPUTS = [
@@ -209,7 +209,7 @@ BAD_INPUTS = [
     ("prefill: longer than a sequence may be", lambda: _prefill_eager(length=49, tokens=64),
      ValueError, "exceeds the sequence capacity max_pages_per_sequence \\* page_size = 3 \\* 16 = 48"),
     ("prefill: not enough free pages",
-     lambda: _prefill_eager(cache=_corrupt(page_free=jnp.zeros((6,), bool).at[5].set(True)), length=48),
+     lambda: _prefill_eager(cache=_corrupt(page_refs=jnp.ones((6,), jnp.int32).at[5].set(0)), length=48),
      ValueError, "needs 3 free pages, the pool has 1"),
     ("append: wrong layout", lambda: paged_cache.append(one_active_cache(), *kv(layout=(1, 2, 1, 1, 16))),
      ValueError, "keys must be \\[layers=1, loops=2, max_sequences=2, kv_heads=1, head_dim=16\\]"),
@@ -229,17 +229,37 @@ BAD_INPUTS = [
      lambda: jflashloop.decode_attention(_queries(jnp.int32), one_active_cache(), 0, 0, implementation="pallas"),
      TypeError, "queries must have a floating dtype .*got int32"),
     ("free: slot out of range", lambda: paged_cache.free(one_active_cache(), 2), IndexError, "slot must be in"),
-    ("validate: page owned twice",
+    ("validate: a page held twice, counted once",
      lambda: paged_cache.validate(_corrupt(
          block_tables=one_active_cache().block_tables.at[1, 0].set(one_active_cache().block_tables[0, 0]),
          active=jnp.array([True, True]), lengths=jnp.array([20, 16]))),
-     CacheStateError, "is owned more than once"),
+     CacheStateError, "held by block_tables at \\(slot, column\\) \\[\\(0, 0\\), \\(1, 0\\)\\] but page_refs\\[0\\] = 1"),
+    ("validate: a page held twice by one sequence",
+     lambda: paged_cache.validate(_corrupt(
+         block_tables=one_active_cache().block_tables.at[0, 1].set(one_active_cache().block_tables[0, 0]),
+         page_refs=one_active_cache().page_refs.at[0].set(2), lengths=jnp.array([40, 0]))),
+     CacheStateError, "is held more than once by one sequence"),
+    ("validate: a page shared at different columns",
+     lambda: paged_cache.validate(_corrupt(
+         block_tables=one_active_cache().block_tables.at[1, 0].set(5).at[1, 1].set(0),
+         page_refs=one_active_cache().page_refs.at[0].set(2).at[5].set(1), active=jnp.array([True, True]),
+         lengths=jnp.array([20, 32]))),
+     CacheStateError, "is shared at different block-table columns"),
+    ("fork: the same slot twice", lambda: paged_cache.fork(one_active_cache(), 0, 0), ValueError,
+     "source_slot and target_slot must differ, got 0 twice"),
+    ("fork: an inactive source", lambda: paged_cache.fork(one_active_cache(), 1, 0), ValueError,
+     "source_slot 1 holds no sequence"),
+    ("fork: an active target",
+     lambda: paged_cache.fork(_corrupt(active=jnp.array([True, True]), lengths=jnp.array([20, 16])), 0, 1),
+     ValueError, "target_slot 1 is already active \\(it holds 16 tokens\\)"),
+    ("fork: tokens beyond the source", lambda: paged_cache.fork(one_active_cache(), 0, 1, 21), ValueError,
+     "tokens must be in \\[0, lengths\\[0\\]=20\\], got 21"),
     ("validate: block-table entry outside the pool",
      lambda: paged_cache.validate(_corrupt(block_tables=one_active_cache().block_tables.at[0, 0].set(6))),
      CacheStateError, "is outside the pool \\[0, 6\\)"),
-    ("validate: page_free disagrees with block tables",
-     lambda: paged_cache.validate(_corrupt(page_free=jnp.ones((6,), bool))),
-     CacheStateError, "marked free in page_free"),
+    ("validate: page_refs disagrees with block tables",
+     lambda: paged_cache.validate(_corrupt(page_refs=jnp.zeros((6,), jnp.int32))),
+     CacheStateError, "held by block_tables at \\(slot, column\\) \\[\\(0, 0\\)\\] but page_refs\\[0\\] = 0"),
     ("validate: length beyond capacity",
      lambda: paged_cache.validate(_corrupt(lengths=jnp.array([49, 0]))),
      CacheStateError, "is outside \\[0, max_tokens_per_sequence=48\\]"),
@@ -316,7 +336,7 @@ BAD_INPUTS = [
      TypeError, "keys must be an array \\[layers=1, loops=2, tokens, kv_heads=1, head_dim=16\\], got list"),
     ("checked.append: full sequence",
      lambda: checked.append(_corrupt(lengths=jnp.array([48, 0]), block_tables=jnp.array([[0, 1, 2], [-1, -1, -1]]),
-                                     page_free=jnp.array([False] * 3 + [True] * 3)),
+                                     page_refs=jnp.array([1] * 3 + [0] * 3, jnp.int32)),
                             *kv(layout=(1, 2, 2, 1, 16))),
      ValueError, "already hold max_pages_per_sequence \\* page_size = 48 tokens"),
     ("append_tokens: counts out of range",

@@ -147,7 +147,7 @@ def append_tokens(cache: PagedKVCache, keys: jax.Array, values: jax.Array, count
     order = jnp.where(wanted, jnp.clip(step, 0, chunk - 1) * c.max_sequences + sequences[:, None], chunk * c.max_sequences)
     served = jnp.zeros((chunk * c.max_sequences,), jnp.int32).at[order.reshape(-1)].set(1, mode="drop")
     rank = (jnp.cumsum(served) - 1)[jnp.clip(order, 0, chunk * c.max_sequences - 1)].reshape(-1)
-    page_ids, page_free, granted = _allocate(cache.page_free, wanted.reshape(-1), rank)
+    page_ids, page_refs, granted = _allocate(cache.page_refs, wanted.reshape(-1), rank)
     granted = granted.reshape(c.max_sequences, most)
     errors = errors | jnp.where(jnp.any(storable & ~granted, axis=1), ERROR_OUT_OF_PAGES, 0)
 
@@ -197,7 +197,7 @@ def append_tokens(cache: PagedKVCache, keys: jax.Array, values: jax.Array, count
         layers=tuple(new_layers),
         block_tables=block_tables,
         lengths=lengths + stored,
-        page_free=page_free,
+        page_refs=page_refs,
         error_flags=cache.error_flags | errors,
         nonfinite_counts=cache.nonfinite_counts + nonfinite,
         saturation_counts=cache.saturation_counts + saturated,

@@ -176,7 +176,7 @@ def bookkeeping_problems(cache: PagedKVCache) -> list[str]:
     tables = np.asarray(cache.block_tables)
     lengths = np.asarray(cache.lengths)
     active = np.asarray(cache.active)
-    page_free = np.asarray(cache.page_free)
+    page_refs = np.asarray(cache.page_refs)
     flags = np.asarray(cache.error_flags)
     problems = []
     outside = (tables < -1) | (tables >= c.num_pages)
@@ -188,13 +188,18 @@ def bookkeeping_problems(cache: PagedKVCache) -> list[str]:
     for slot, column in zip(*np.nonzero((tables >= 0) & ~outside), strict=True):
         owners.setdefault(int(tables[slot, column]), []).append((int(slot), int(column)))
     for page, places in owners.items():
-        if len(places) > 1:
-            problems.append(f"page {page} is owned more than once, by (slot, column) {places}")
-        if page_free[page]:
-            problems.append(f"page {page} is in block_tables{places[0]} but marked free in page_free")
-    for page in np.flatnonzero(~page_free):
+        slots = [slot for slot, _ in places]
+        if len(set(slots)) < len(slots):
+            problems.append(f"page {page} is held more than once by one sequence, at (slot, column) {places}")
+        if len({column for _, column in places}) > 1:
+            problems.append(f"page {page} is shared at different block-table columns {places} (a page holds "
+                            "the positions of one column)")
+        if page_refs[page] != len(places):
+            problems.append(f"page {page} is held by block_tables at (slot, column) {places} but "
+                            f"page_refs[{page}] = {page_refs[page]}")
+    for page in np.flatnonzero(page_refs != 0):
         if int(page) not in owners:
-            problems.append(f"page {page} is marked used in page_free but no block table holds it")
+            problems.append(f"page {page} has page_refs[{page}] = {page_refs[page]} but no block table holds it")
     for slot in range(c.max_sequences):
         held = np.flatnonzero(tables[slot] >= 0)
         if not active[slot]:
@@ -251,8 +256,9 @@ def validate(cache: PagedKVCache) -> None:
     """Check on the host that ``cache`` is internally consistent (after loading or transfer).
 
     Checks: every array has the shape and dtype its config implies; block
-    tables hold -1 or page ids inside the pool; no page is owned twice;
-    ``page_free`` is exactly the complement of the pages in block tables;
+    tables hold -1 or page ids inside the pool; ``page_refs`` counts each
+    page's block-table entries exactly (a shared page sits at the same
+    column of every row that holds it, and at most once per row);
     lengths are within capacity; an active sequence holds a page for each of
     its full pages (unless flagged ``ERROR_OUT_OF_PAGES``; then none after
     the first lost one) and none beyond;

@@ -189,7 +189,9 @@ class PagedKVCache:
       block_tables: int32 ``[max_sequences, max_pages_per_sequence]``, -1 = no page.
       lengths: int32 ``[max_sequences]``: committed tokens per sequence.
       active: bool ``[max_sequences]``: slots holding a sequence.
-      page_free: bool ``[num_pages]``.
+      page_refs: int32 ``[num_pages]``: how many block-table entries hold
+        each page (0 = free; more than 1 = shared by :func:`fork` ed
+        sequences, always at the same block-table column).
       error_flags: int32 ``[max_sequences]``: OR of ``ERROR_*`` bits.
       nonfinite_counts: int32 ``[max_sequences]``: NaN/+-inf K/V elements
         written to the sequence (each stored as 0).
@@ -206,11 +208,16 @@ class PagedKVCache:
     block_tables: jax.Array
     lengths: jax.Array
     active: jax.Array
-    page_free: jax.Array
+    page_refs: jax.Array
     error_flags: jax.Array
     nonfinite_counts: jax.Array
     saturation_counts: jax.Array
     config: CacheConfig = dataclasses.field(metadata={"static": True})
+
+    @property
+    def page_free(self) -> jax.Array:
+        """bool ``[num_pages]``: pages no sequence holds (``page_refs == 0``)."""
+        return self.page_refs == 0
 
     @property
     def window_dtype(self):
@@ -220,7 +227,7 @@ class PagedKVCache:
 jax.tree_util.register_dataclass(
     PagedKVCache,
     data_fields=[
-        "layers", "block_tables", "lengths", "active", "page_free", "error_flags",
+        "layers", "block_tables", "lengths", "active", "page_refs", "error_flags",
         "nonfinite_counts", "saturation_counts",
     ],
     meta_fields=["config"],

@@ -73,7 +73,7 @@ def create(config: CacheConfig) -> PagedKVCache:
         block_tables=jnp.full((c.max_sequences, c.max_pages_per_sequence), -1, jnp.int32),
         lengths=jnp.zeros((c.max_sequences,), jnp.int32),
         active=jnp.zeros((c.max_sequences,), bool),
-        page_free=jnp.ones((c.num_pages,), bool),
+        page_refs=jnp.zeros((c.num_pages,), jnp.int32),
         error_flags=jnp.zeros((c.max_sequences,), jnp.int32),
         nonfinite_counts=jnp.zeros((c.max_sequences,), jnp.int32),
         saturation_counts=jnp.zeros((c.max_sequences,), jnp.int32),
@@ -81,23 +81,29 @@ def create(config: CacheConfig) -> PagedKVCache:
     )
 
 
-def _allocate(page_free: jax.Array, wanted: jax.Array, rank: jax.Array | None = None
+def _allocate(page_refs: jax.Array, wanted: jax.Array, rank: jax.Array | None = None
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Give each ``wanted`` request (bool ``[n]``) a distinct free page, the lowest free ids first.
 
     Requests are served in index order, or in the order of ``rank`` (int32
     ``[n]``: each wanted request's 0-based place among the wanted ones).
-    Returns ``(page_ids [n] int32 (num_pages where none), page_free, granted [n] bool)``.
+    Returns ``(page_ids [n] int32 (num_pages where none), page_refs (1 for
+    the granted pages), granted [n] bool)``.
     """
-    num_pages = page_free.shape[0]
-    free_ids = jnp.nonzero(page_free, size=wanted.shape[0], fill_value=num_pages)[0].astype(jnp.int32)
+    num_pages = page_refs.shape[0]
+    free_ids = jnp.nonzero(page_refs == 0, size=wanted.shape[0], fill_value=num_pages)[0].astype(jnp.int32)
     if rank is None:
         rank = jnp.cumsum(wanted.astype(jnp.int32)) - 1
     page_ids = jnp.where(wanted, free_ids[jnp.clip(rank, 0, wanted.shape[0] - 1)], num_pages)
     granted = wanted & (page_ids < num_pages)
     page_ids = jnp.where(granted, page_ids, num_pages)
-    page_free = page_free.at[page_ids].set(False, mode="drop")
-    return page_ids, page_free, granted
+    page_refs = page_refs.at[page_ids].set(1, mode="drop")
+    return page_ids, page_refs, granted
+
+
+def release_pages(page_refs: jax.Array, row: jax.Array) -> jax.Array:
+    """``page_refs`` with one reference fewer for each page of block-table ``row`` (int32, -1 = none)."""
+    return page_refs.at[jnp.where(row >= 0, row, page_refs.shape[0])].add(-1, mode="drop")
 
 
 def _window_rows(head_major: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
@@ -198,7 +204,7 @@ def check_prefill_values(cache: PagedKVCache, slot, tokens: int, length) -> None
                 f"length {length_value} exceeds the sequence capacity max_pages_per_sequence * "
                 f"page_size = {c.max_pages_per_sequence} * {c.page_size} = {c.max_tokens_per_sequence}"
             )
-    if slot_value is None or not (is_concrete(cache.active) and is_concrete(cache.page_free)):
+    if slot_value is None or not (is_concrete(cache.active) and is_concrete(cache.page_refs)):
         return
     if bool(cache.active[slot_value]):
         raise ValueError(
@@ -268,16 +274,14 @@ def prefill(
     old_row = cache.block_tables[jnp.clip(slot, 0, c.max_sequences - 1)]
     replaced = slot_ok & cache.active[jnp.clip(slot, 0, c.max_sequences - 1)]
     error = error | jnp.where(replaced, ERROR_SLOT_REPLACED, 0)
-    page_free = cache.page_free.at[jnp.where(replaced & (old_row >= 0), old_row, c.num_pages)].set(
-        True, mode="drop"
-    )
+    page_refs = release_pages(cache.page_refs, jnp.where(replaced, old_row, -1))
 
     # Full pages: allocate and pack.
     max_full = min(tokens // page_size, c.max_pages_per_sequence)
     full_pages = length // page_size
     page_numbers = jnp.arange(max_full, dtype=jnp.int32)
     wanted = (page_numbers < full_pages) & slot_ok
-    page_ids, page_free, granted = _allocate(page_free, wanted)
+    page_ids, page_refs, granted = _allocate(page_refs, wanted)
     error = error | jnp.where(jnp.any(wanted & ~granted), ERROR_OUT_OF_PAGES, 0)
     block_row = jnp.full((c.max_pages_per_sequence,), -1, jnp.int32)
     block_row = block_row.at[:max_full].set(jnp.where(granted, page_ids, -1))
@@ -320,7 +324,7 @@ def prefill(
         block_tables=cache.block_tables.at[slot_index].set(block_row, mode="drop"),
         lengths=cache.lengths.at[slot_index].set(length, mode="drop"),
         active=cache.active.at[slot_index].set(True, mode="drop"),
-        page_free=page_free,
+        page_refs=page_refs,
         error_flags=cache.error_flags.at[slot_index].set(error, mode="drop"),
         nonfinite_counts=cache.nonfinite_counts.at[slot_index].set(nonfinite, mode="drop"),
         saturation_counts=cache.saturation_counts.at[slot_index].set(saturated, mode="drop"),
@@ -401,7 +405,7 @@ def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementat
     after_lost = (page_number > 0) & (previous < 0)
     storable = completes & (page_number < c.max_pages_per_sequence)
     wanted = storable & ~after_lost
-    page_ids, page_free, granted = _allocate(cache.page_free, wanted)
+    page_ids, page_refs, granted = _allocate(cache.page_refs, wanted)
     errors = jnp.where(storable & ~granted, ERROR_OUT_OF_PAGES, 0)
     errors = errors | jnp.where(completes & ~storable, ERROR_SEQUENCE_FULL, 0)
     positions = page_number[:, None] * page_size + jnp.arange(page_size)[None, :]  # [B, P]
@@ -426,7 +430,7 @@ def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementat
         cache,
         layers=tuple(new_layers),
         block_tables=block_tables,
-        page_free=page_free,
+        page_refs=page_refs,
         error_flags=cache.error_flags | errors,
         saturation_counts=cache.saturation_counts + saturated,
     )
@@ -471,7 +475,10 @@ def append(
 
 
 def free(cache: PagedKVCache, slot: jax.Array | int) -> PagedKVCache:
-    """Release a sequence: its pages return to the pool and the slot empties.
+    """Release a sequence: the slot empties and each of its pages loses a reference.
+
+    A page returns to the pool when no sequence holds it any more (pages
+    shared by :func:`fork` stay with the other sequences).
 
     ``slot`` must be in ``[0, max_sequences)`` (checked when concrete; under
     ``jit`` an out-of-range slot changes nothing). Freeing an inactive slot
@@ -483,7 +490,7 @@ def free(cache: PagedKVCache, slot: jax.Array | int) -> PagedKVCache:
     slot_ok = (slot >= 0) & (slot < c.max_sequences)
     slot_index = jnp.where(slot_ok, slot, c.max_sequences)  # out of range: every write dropped
     row = jnp.where(slot_ok, cache.block_tables[jnp.clip(slot, 0, c.max_sequences - 1)], -1)
-    page_free = cache.page_free.at[jnp.where(row >= 0, row, c.num_pages)].set(True, mode="drop")
+    page_refs = release_pages(cache.page_refs, row)
 
     def cleared(array, value):
         return array.at[slot_index].set(value, mode="drop")
@@ -493,7 +500,7 @@ def free(cache: PagedKVCache, slot: jax.Array | int) -> PagedKVCache:
         block_tables=cleared(cache.block_tables, -1),
         lengths=cleared(cache.lengths, 0),
         active=cleared(cache.active, False),
-        page_free=page_free,
+        page_refs=page_refs,
         error_flags=cleared(cache.error_flags, 0),
         nonfinite_counts=cleared(cache.nonfinite_counts, 0),
         saturation_counts=cleared(cache.saturation_counts, 0),

@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping
 
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _deprecation
 from ._config import CacheConfig, LoopStorage
@@ -103,6 +104,52 @@ def sequence_bytes(config: CacheConfig, tokens: int) -> int:
     pages = tokens // config.page_size
     per_layer = pages * page_bytes(config).total + window_bytes_per_sequence(config)
     return config.num_layers * per_layer
+
+
+def shared_prefix_bytes(config: CacheConfig, sequences: int, prefix_tokens: int, own_tokens: int = 0, *,
+                        shared: bool = True) -> int:
+    """Exact bytes of ``sequences`` sequences that start with one ``prefix_tokens``-token prompt.
+
+    Each sequence then holds ``own_tokens`` more tokens of its own. With
+    ``shared=True`` the prompt's full pages are stored once
+    (:func:`~jflashloop.paged_cache.fork` at ``prefix_tokens``; the prompt's
+    partial last page becomes each sequence's own); with ``shared=False``
+    every sequence holds its own copy (``sequences * sequence_bytes``). All
+    layers, windows included.
+    """
+    page_size = config.page_size
+    pages_each = (prefix_tokens + own_tokens) // page_size
+    prefix_pages = prefix_tokens // page_size if shared else 0
+    pages = prefix_pages + sequences * (pages_each - prefix_pages)
+    return config.num_layers * (pages * page_bytes(config).total + sequences * window_bytes_per_sequence(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheBytes:
+    """What a live cache holds (all layers), from :func:`cache_bytes`.
+
+    Attributes:
+      pages: pages in use (each stored once, however many sequences share it).
+      page_references: block-table entries holding a page (``pages`` plus one
+        per extra sharer).
+      bytes: pages in use plus every active sequence's windows.
+      bytes_without_sharing: the same if every reference were its own page.
+    """
+
+    pages: int
+    page_references: int
+    bytes: int
+    bytes_without_sharing: int
+
+
+def cache_bytes(cache) -> CacheBytes:
+    """Bytes the pages and windows of ``cache``'s sequences hold, with and without sharing (host-side)."""
+    config = cache.config
+    page_refs = np.asarray(cache.page_refs)
+    pages, references = int((page_refs > 0).sum()), int(page_refs.sum())
+    per_page = config.num_layers * page_bytes(config).total
+    windows = int(np.asarray(cache.active).sum()) * config.num_layers * window_bytes_per_sequence(config)
+    return CacheBytes(pages, references, pages * per_page + windows, references * per_page + windows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -205,7 +205,7 @@ def import_pages(cache: PagedKVCache, slot: int, bundle: PageBundle) -> PagedKVC
         block_tables=cache.block_tables.at[slot].set(jnp.asarray(row)),
         lengths=cache.lengths.at[slot].set(bundle.length),
         active=cache.active.at[slot].set(True),
-        page_free=cache.page_free.at[page_ids].set(False),
+        page_refs=cache.page_refs.at[page_ids].set(1),
         error_flags=cache.error_flags.at[slot].set(bundle.error_flags),
         nonfinite_counts=cache.nonfinite_counts.at[slot].set(bundle.nonfinite_count),
         saturation_counts=cache.saturation_counts.at[slot].set(bundle.saturation_count),

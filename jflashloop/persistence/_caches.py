@@ -75,7 +75,7 @@ def _cache_from_stream(stream: BinaryIO, expected: CacheConfig | None) -> PagedK
     if expected is not None and stored != expected:
         raise PersistenceError(f"the file's config {stored} differs from the expected {expected}")
     template = jax.eval_shape(lambda: create(stored))
-    host = _release_pages_after_lost(tree_from_arrays(template, arrays, "cache file"))
+    host = _release_pages_after_lost(tree_from_arrays(template, _refs_from_free_list(arrays), "cache file"))
     problems = bookkeeping_problems(host)
     if problems:
         raise PersistenceError("cache file has inconsistent bookkeeping: " + "; ".join(problems[:10]))
@@ -92,8 +92,20 @@ def _release_pages_after_lost(host: PagedKVCache) -> PagedKVCache:
     after = (columns[None, :] > first_lost[:, None]) & (tables >= 0)
     if not after.any():
         return host
-    page_free = np.array(host.page_free)
+    page_refs = np.array(host.page_refs)
     released = tables[after]
-    page_free[released[(released >= 0) & (released < page_free.shape[0])]] = True
+    np.subtract.at(page_refs, released[(released >= 0) & (released < page_refs.shape[0])], 1)
     return dataclasses.replace(host, block_tables=np.where(after, -1, tables).astype(tables.dtype),
-                               page_free=page_free)
+                               page_refs=page_refs)
+
+
+def _refs_from_free_list(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Files of earlier versions hold ``.page_free`` (bool; no page was shared): reference counts from it."""
+    if ".page_free" not in arrays or ".page_refs" in arrays:
+        return arrays
+    converted = {name: array for name, array in arrays.items() if name != ".page_free"}
+    page_free = arrays[".page_free"]
+    if page_free.dtype != np.bool_:
+        raise PersistenceError(f"cache file array .page_free must be bool, got {page_free.dtype}")
+    converted[".page_refs"] = (~page_free).astype(np.int32)
+    return converted
