@@ -81,18 +81,23 @@ def random_stream(key, stream, pages):
     return dataclasses.replace(stream, payload=payload, scale=scale, global_scale=global_scale)
 
 
-def random_cache(config: CacheConfig, tokens: int, seed: int) -> paged_cache.PagedKVCache:
-    """A cache whose every sequence holds ``tokens`` tokens of random, valid data."""
+def random_cache(config: CacheConfig, tokens: int, seed: int, *, shared: bool = False) -> paged_cache.PagedKVCache:
+    """A cache whose every sequence holds ``tokens`` tokens of random, valid data.
+
+    ``shared``: every sequence holds the same pages (as after ``paged_cache.fork`` of one prompt).
+    """
     key = jax.random.key(seed)
     cache = paged_cache.create(config)
     pages_per_sequence = tokens // config.page_size
     key, permutation_key = jax.random.split(key)
     order = jax.random.permutation(permutation_key, config.num_pages).astype(jnp.int32)
     used = order[: config.max_sequences * pages_per_sequence].reshape(config.max_sequences, -1)
+    if shared:
+        used = jnp.broadcast_to(used[:1], used.shape)
     # Room beyond ``tokens`` (a config for tokens + chunk) stays unallocated: -1 columns, free pages.
     block_tables = jnp.full((config.max_sequences, config.max_pages_per_sequence), -1, jnp.int32)
     block_tables = block_tables.at[:, :pages_per_sequence].set(used)
-    page_free = jnp.ones((config.num_pages,), bool).at[used.reshape(-1)].set(False)
+    page_refs = jnp.zeros((config.num_pages,), jnp.int32).at[used.reshape(-1)].add(1)
     layers = []
     for layer in cache.layers:
         loops = []
@@ -120,7 +125,7 @@ def random_cache(config: CacheConfig, tokens: int, seed: int) -> paged_cache.Pag
         cache, layers=tuple(layers), block_tables=block_tables,
         lengths=jnp.full((config.max_sequences,), tokens, jnp.int32),
         active=jnp.ones((config.max_sequences,), bool),
-        page_free=page_free,
+        page_refs=page_refs,
     )
 
 

@@ -159,6 +159,8 @@ def main() -> int:
     parser.add_argument("--names", default="pallas,triton,gluon,gluon2-s2,gluon2-s2w")
     parser.add_argument("--value-format", default="int4", help="int4, nvfp4 or int4_rotated (every stream)")
     parser.add_argument("--loops", type=int, default=1, help="loop of the FlashLoop chain to read (1-4)")
+    parser.add_argument("--shared", action="store_true",
+                        help="every sequence reads the same pages (a forked prompt); bytes counted per sequence")
     parser.add_argument("--device-time", action="store_true",
                         help="time calls inside one jitted function (no Python dispatch per call)")
     args = parser.parse_args()
@@ -185,7 +187,7 @@ def main() -> int:
         return 0
     bandwidth = bench.copy_bandwidth()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; plain copy {bandwidth:.2f} TB/s; "
-          f"{args.value_format} loop {args.loops}", flush=True)
+          f"{args.value_format} loop {args.loops}{'; every sequence on the same pages' if args.shared else ''}", flush=True)
     print("| shape | formulation | ms | TB/s on bytes read | % of copy | x cuDNN BF16 | max rel. error |")
     print("|---|---|---|---|---|---|---|")
     for index in (int(i) for i in args.shapes.split(",")):
@@ -203,7 +205,8 @@ def main() -> int:
         loop = args.loops - 1
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim)
         bytes_read = bench.kernel_bytes(config, tokens, loop)
-        caches = [bench.random_cache(config, tokens, i) for i in range(bench.copies_for(bytes_read))]
+        caches = [bench.random_cache(config, tokens, i, shared=args.shared)
+                  for i in range(bench.copies_for(bytes_read))]
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
         expected = jflashloop.decode_attention_reference(queries, caches[0], 0, loop)
         for fname in args.names.split(","):

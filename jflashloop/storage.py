@@ -17,6 +17,7 @@ from .cache._storage import head_token_bytes as head_token_bytes
 from .cache._storage import page_bytes as page_bytes
 from .cache._storage import sequence_bytes as sequence_bytes
 from .cache._storage import shared_prefix_bytes as shared_prefix_bytes
+from .cache._storage import sharing_table as sharing_table
 from .cache._storage import storage_table as storage_table
 from .cache._storage import tokens_that_fit as tokens_that_fit
 from .cache._storage import unquantized_bytes_per_token as unquantized_bytes_per_token
@@ -36,6 +37,7 @@ __all__ = [
     "page_bytes",
     "sequence_bytes",
     "shared_prefix_bytes",
+    "sharing_table",
     "storage_table",
     "tokens_that_fit",
     "unquantized_bytes_per_token",

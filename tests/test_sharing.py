@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jflashloop
-from jflashloop import CacheStateError, paged_cache, persistence, storage
+from jflashloop import CacheStateError, LoopStorage, paged_cache, persistence, storage
 from tests.bits import assert_bits_equal
 from tests.builders import looped_tokens, nvfp4_residual_config, small_config
 
@@ -131,6 +131,33 @@ def test_a_fork_behind_the_window_decodes_its_window_rows(rng, tokens):
         assert np.abs(got - want).max() < 0.2 * scale, loop  # two roundings of the partial page's first rows
 
 
+CODEC_PAIRS = {
+    "int4_rotated": lambda d: (jflashloop.int4_rotated(d, 3), jflashloop.int4_rotated(d, 4)),
+    "int2_lloyd_max keys": lambda d: (jflashloop.int2_lloyd_max(d, 5), jflashloop.INT4_VALUES),
+    "e8 keys, int4_group_rotated values": lambda d: (jflashloop.E8_KEYS, jflashloop.INT4_GROUP_ROTATED_VALUES),
+}
+
+
+@pytest.mark.parametrize("codecs", sorted(CODEC_PAIRS))
+def test_fork_with_every_codec(rng, codecs):
+    """A fork at the end holds the source's bits; one behind the window, the source's page values."""
+    base = small_config(max_pages_per_sequence=6, num_pages=20, num_loops=2, head_dim=64, page_size=64,
+                        recent_tokens=64)
+    key_spec, value_spec = CODEC_PAIRS[codecs](base.head_dim)
+    config = dataclasses.replace(base, loops=(LoopStorage(key_spec, value_spec), base.loops[1]))
+    keys, values = looped_tokens(rng, config, 200)
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 200)
+    whole, behind = _fork(cache, 0, 1), _fork(cache, 0, 2, 100)
+    paged_cache.validate(behind)
+    _assert_same_sequence(whole, 1, cache, 0, "a fork at the end")
+    for loop in range(config.num_loops):
+        got = np.asarray(_reconstruct(behind, 0, loop, 2)[0])
+        source = np.asarray(_reconstruct(cache, 0, loop, 0)[0])
+        assert_bits_equal(got[:36], source[:36], f"the sink and the shared page, loop {loop}")
+        rounded = source[36:100].astype(jnp.bfloat16).astype(np.float32)
+        assert_bits_equal(got[36:100], rounded, f"decoded window rows, loop {loop}")
+
+
 def test_fork_under_jit_with_traced_slots_and_tokens(rng):
     config = small_config(max_pages_per_sequence=10, num_pages=40)
     keys, values = looped_tokens(rng, config, 70)
@@ -226,3 +253,8 @@ def test_storage_counts_shared_pages_once(rng):
     assert storage.shared_prefix_bytes(config, 3, 64) == held.bytes
     assert storage.shared_prefix_bytes(config, 3, 64, shared=False) == 12 * page + 3 * windows
     assert storage.shared_prefix_bytes(config, 1, 70) == storage.sequence_bytes(config, 70)
+    table = storage.sharing_table(storage.OURO_1_4B, sequences=64, prefix_tokens=4096, own_tokens=(0,))
+    ouro = storage.config_for(storage.OURO_1_4B)
+    shared = storage.shared_prefix_bytes(ouro, 64, 4096) / 2**30
+    alone = storage.shared_prefix_bytes(ouro, 64, 4096, shared=False) / 2**30
+    assert f"| {alone:.2f} GiB | {shared:.2f} GiB |" in table

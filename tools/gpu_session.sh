@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, compiled tests, kernel sweep, benchmarks.
 # Usage (from the repository root, on the device machine):
-#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole overhead overheadffi chunks gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep sharded quick bench codecs train demo
+#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole overhead overheadffi chunks shared gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep sharded quick bench codecs train demo
 # Logs go to $OUT (or ./out); a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -66,6 +66,8 @@ for stage in "$@"; do
     ncuwhole) run_stage ncuwhole 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
              python3 bench/kernel_formulations.py --profile "${NCU_WHOLE:-public,gluon2-s2w}" --whole --shape "${NCU_SHAPE:-3}" ;;
     chunks) run_stage chunks 200 python3 bench/chunks.py ;;
+    shared) run_stage shared 200 python3 bench/kernel_formulations.py --device-time --shapes 0,2 --names public \
+             --shared ;;
     overhead) run_stage overhead 120 python3 bench/call_overhead.py ;;
     overheadffi) run_stage overheadffi 120 env JFLASHLOOP_TRITON_TARGET=ffi python3 bench/call_overhead.py ;;
     quick) run_stage quick 150 python3 bench/decode.py --quick --check ;;

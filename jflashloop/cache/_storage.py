@@ -177,6 +177,30 @@ def config_for(model: ModelShape, **overrides) -> CacheConfig:
     return CacheConfig.flashloop(**arguments)
 
 
+def sharing_table(model: ModelShape, sequences: int = 64, prefix_tokens: int = 4096,
+                  own_tokens: tuple[int, ...] = (0, 1024), **overrides) -> str:
+    """Markdown: the memory of ``sequences`` sequences sharing a ``prefix_tokens``-token prompt.
+
+    One row per entry of ``own_tokens`` (each sequence's tokens after the
+    prompt): GiB with every sequence holding its own copy of the prompt's
+    pages, GiB with them shared (:func:`shared_prefix_bytes`), and the BF16
+    cache of every loop for comparison. All layers, windows included.
+    """
+    config = config_for(model, **overrides)
+    lines = [
+        f"| {model.name}, {sequences} sequences, {prefix_tokens:,}-token shared prompt | own tokens each "
+        "| no sharing | sharing | saved | BF16, every loop |",
+        "|---|---|---|---|---|---|",
+    ]
+    for own in own_tokens:
+        alone = shared_prefix_bytes(config, sequences, prefix_tokens, own, shared=False)
+        shared = shared_prefix_bytes(config, sequences, prefix_tokens, own)
+        bf16 = sequences * (prefix_tokens + own) * config.num_layers * unquantized_bytes_per_token(config)
+        lines.append(f"| | {own:,} | {alone / 2**30:.2f} GiB | {shared / 2**30:.2f} GiB | "
+                     f"{alone / shared:.2f}x | {bf16 / 2**30:.1f} GiB |")
+    return "\n".join(lines)
+
+
 def tokens_that_fit(config: CacheConfig, gibibytes: float, sequences: int = 1) -> int:
     """Tokens (summed over ``sequences`` sequences) whose cache fits in ``gibibytes``.
 
