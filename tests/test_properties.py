@@ -175,6 +175,7 @@ Q_HEADS = 2  # GQA: two query heads per KV head
 _prefill = jax.jit(paged_cache.prefill)
 _append = jax.jit(paged_cache.append)
 _free = jax.jit(paged_cache.free)
+_fork = jax.jit(paged_cache.fork)
 _commit = jax.jit(paged_cache.commit)
 
 
@@ -228,11 +229,12 @@ LENGTHS = st.one_of(st.sampled_from([0, 2, PAGE - 1, PAGE, CAPACITY - 1, CAPACIT
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Random prefill / append / decode step / free / transfer / save-load against the exact history.
+    """Random prefill / append / decode step / free / transfer / fork / save-load against the exact history.
 
-    The model also tracks the pool: which full pages of each sequence were
-    stored (``pages``: per slot, one bool per full page, False where the pool
-    had run out) and how many pages are free.
+    The model also tracks the pool: each sequence's full pages (``pages``:
+    per slot, one model page id per full page, None where the pool had run
+    out), how many block-table entries hold each page (``references``: a
+    fork shares its source's pages) and how many pages are free.
     """
 
     @initialize(lengths=st.lists(LENGTHS, min_size=CONFIG.max_sequences, max_size=CONFIG.max_sequences),
@@ -245,6 +247,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.flags = np.zeros(CONFIG.max_sequences, np.int64)
         self.nonfinite = np.zeros(CONFIG.max_sequences, np.int64)
         self.pages = [[] for _ in range(CONFIG.max_sequences)]
+        self.references = {}  # model page id -> block-table entries holding it
+        self.next_page = 0
         self.free_pages = CONFIG.num_pages
         for slot, length in enumerate(lengths):
             self._prefill(slot, length, seed + slot, 0)
@@ -254,15 +258,31 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _take_page(self, slot):
         """A page filled for ``slot``: stored if the pool has one and no earlier page was lost, else lost and flagged."""
-        stored = self.free_pages > 0 and all(self.pages[slot])
-        self.free_pages -= int(stored)
-        self.pages[slot].append(stored)
+        stored = self.free_pages > 0 and all(page is not None for page in self.pages[slot])
+        self.pages[slot].append(self._new_page() if stored else None)
         if not stored:
             self.flags[slot] |= paged_cache.ERROR_OUT_OF_PAGES
 
+    def _new_page(self):
+        page = self.next_page
+        self.next_page += 1
+        self.references[page] = 1
+        self.free_pages -= 1
+        return page
+
+    def _release(self, slot):
+        """``slot``'s pages lose a reference each; a page nobody holds is free again."""
+        for page in self.pages[slot]:
+            if page is not None:
+                self.references[page] -= 1
+                if not self.references[page]:
+                    del self.references[page]
+                    self.free_pages += 1
+        self.pages[slot] = []
+
     def _stored_pages(self, slot):
         """Leading stored pages of ``slot`` (reading stops at the first lost one)."""
-        return int(np.cumprod(np.asarray(self.pages[slot], bool)).sum())
+        return int(np.cumprod([page is not None for page in self.pages[slot]]).sum())
 
     def _commit(self, keys, values):
         """The model of one committed decode token of every active slot."""
@@ -329,14 +349,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.active[slot] = False
         self.history.lengths[slot] = 0
         self.flags[slot] = self.nonfinite[slot] = 0
-        self.free_pages += sum(self.pages[slot])
-        self.pages[slot] = []
+        self._release(slot)
 
     @precondition(lambda self: self.active.any() and not self.active.all())
     @rule(data=st.data(), through_bytes=st.booleans())
     def transfer(self, data, through_bytes):
         source = data.draw(st.sampled_from([int(s) for s in np.flatnonzero(self.active)]), label="source")
         target = data.draw(st.sampled_from(self._free_slots()), label="target")
+        stored = [page for page in self.pages[source] if page is not None]
+        freed = sum(self.references[page] == 1 for page in stored)
+        assume(self.free_pages + freed >= len(stored))  # the import takes a page for each stored one
         bundle = persistence.export_pages(self.cache, source)
         if through_bytes:
             bundle = persistence.pages_from_bytes(persistence.pages_to_bytes(bundle))
@@ -347,7 +369,26 @@ class CacheMachine(RuleBasedStateMachine):
         self.history.lengths[source] = 0
         for array in (self.active, self.flags, self.nonfinite):
             array[target], array[source] = array[source], 0
-        self.pages[target], self.pages[source] = self.pages[source], []
+        lost = len(self.pages[source]) - len(stored)
+        self._release(source)
+        self.pages[target] = [self._new_page() for _ in stored] + [None] * lost
+
+    @precondition(lambda self: self.active.any() and not self.active.all())
+    @rule(data=st.data())
+    def fork(self, data):
+        """A free slot starts with all of an active one's tokens: its pages shared, its windows copied."""
+        source = data.draw(st.sampled_from([int(s) for s in np.flatnonzero(self.active)]), label="source")
+        target = data.draw(st.sampled_from(self._free_slots()), label="target")
+        self.cache = _fork(self.cache, source, target)
+        for name in ("keys", "values"):
+            getattr(self.history, name)[:, :, target] = getattr(self.history, name)[:, :, source]
+        self.history.lengths[target] = self.history.lengths[source]
+        for array in (self.active, self.flags, self.nonfinite):
+            array[target] = array[source]
+        self.pages[target] = list(self.pages[source])
+        for page in self.pages[target]:
+            if page is not None:
+                self.references[page] += 1
 
     @rule()
     def save_and_load(self):
@@ -411,11 +452,16 @@ class CacheMachine(RuleBasedStateMachine):
         np.testing.assert_array_equal(np.asarray(self.cache.nonfinite_counts), self.nonfinite)
         assert not np.asarray(self.cache.saturation_counts).any()
         assert int(self.cache.page_free.sum()) == self.free_pages
+        ids = {}  # model page id -> the cache's page id: one to one
         for slot in range(CONFIG.max_sequences):
-            stored = np.asarray(self.cache.block_tables[slot]) >= 0
+            row = np.asarray(self.cache.block_tables[slot])
             expected = np.zeros(CONFIG.max_pages_per_sequence, bool)
-            expected[: len(self.pages[slot])] = self.pages[slot]
-            np.testing.assert_array_equal(stored, expected, err_msg=f"stored pages of slot {slot}")
+            expected[: len(self.pages[slot])] = [page is not None for page in self.pages[slot]]
+            np.testing.assert_array_equal(row >= 0, expected, err_msg=f"stored pages of slot {slot}")
+            for column, page in enumerate(self.pages[slot]):
+                if page is not None:
+                    assert ids.setdefault(page, int(row[column])) == int(row[column]), (slot, column, "shared page")
+        assert len(set(ids.values())) == len(ids), "two model pages in one cache page"
 
     def teardown(self):
         if hasattr(self, "cache"):
