@@ -79,7 +79,7 @@ def main() -> int:
         dense_v = jax.random.normal(kv, (sequences, tokens + chunk, kv_heads, HEAD_DIM), jnp.bfloat16)
         cudnn = _timed(cudnn_chunk, queries, [(dense_k, dense_v)])
         unmasked = _timed(cudnn_unmasked, queries, [(dense_k, dense_v)])
-        for implementation in ("xla", "gluon"):
+        for implementation in ("xla", "gluon", "dense"):
             try:
                 ours_ms = device_ms(
                     lambda q, c, k, v, n, i=implementation: jflashloop.chunk_attention(

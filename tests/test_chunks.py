@@ -163,6 +163,22 @@ def test_chunk_attention_matches_the_float64_oracle(rng, chunk):
         assert not np.asarray(actual)[2, max(chunk - 2, 0):].any()  # rows beyond counts are zeros
 
 
+@pytest.mark.parametrize("chunk", [1, 9])
+def test_the_dense_path_matches_the_float64_oracle(rng, chunk):
+    """Cached positions decoded to bfloat16, then dot_product_attention with the mask (bfloat16 rounding)."""
+    config = small_config(page_size=16, max_pages_per_sequence=8, num_pages=64, sink_tokens=4, recent_tokens=16)
+    cache, _ = build(rng, config, prompt_lengths=[40, 0, 17], steps=1)
+    queries, keys, values = _chunk(rng, config, chunk, q_heads=8)
+    counts = jnp.asarray([chunk, chunk, max(chunk - 2, 0)], jnp.int32)
+    loop = config.num_loops - 1
+    actual = jflashloop.chunk_attention(queries, cache, 1, loop, keys[1, loop], values[1, loop], counts,
+                                        implementation="dense")
+    expected = chunk_oracle(queries, cache, 1, loop, keys[1, loop], values[1, loop], counts)
+    error = _relative(actual, expected)
+    assert (error < 2e-2).all() and error.max() > 0, error  # bfloat16 inputs: close, not exact
+    assert not np.asarray(actual)[2, max(chunk - 2, 0):].any()  # rows beyond counts are zeros
+
+
 def test_one_token_chunk_equals_decode_after_write_token(rng):
     config = small_config(page_size=16, max_pages_per_sequence=4, num_pages=64, recent_tokens=8)
     cache, _ = build(rng, config, prompt_lengths=[33, 63, 16], steps=1)  # slot 1 reaches capacity (64)

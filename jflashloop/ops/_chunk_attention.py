@@ -40,7 +40,7 @@ from ._decode_attention import (
     unrotated_output,
 )
 
-BACKENDS = ("xla", "gluon")
+BACKENDS = ("xla", "gluon", "dense")
 LOG2_E = math.log2(math.e)
 
 
@@ -99,16 +99,23 @@ def chunk_attention_reference(queries, cache: PagedKVCache, layer: int, loop: in
     return _reference(queries, cache, layer, loop, keys, values, counts, scale=scale)
 
 
-def _reference(queries, cache, layer, loop, keys, values, counts, *, scale):
+def _keys_and_mask(cache, layer, loop, keys, values, counts, chunk):
+    """Per sequence: every position a chunk query may read, and which it reads.
+
+    Returns ``(all_k, all_v, valid)``: float32 ``[S, T + C, kv_heads, D]``
+    (the cached positions ``T = max_tokens_per_sequence + 1`` as
+    ``reconstruct`` gives them, then the chunk's tokens rounded to the window
+    dtype) and bool ``[S, C, T + C]`` (query row ``i`` of sequence ``s``:
+    the cached positions ``< lengths[s]`` the cache holds, the chunk's
+    tokens ``j <= i`` below capacity; nothing for rows ``i >= counts[s]``
+    or an inactive sequence).
+    """
     c = cache.config
-    sequences, chunk, q_heads, head_dim = queries.shape
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    group = q_heads // c.num_kv_heads
     counts = jnp.clip(counts, 0, chunk)
     chunk_k = chunk_window_values(cache, keys)[0].astype(jnp.float32)
     chunk_v = chunk_window_values(cache, values)[0].astype(jnp.float32)
 
-    def one_sequence(query, own_k, own_v, count, slot):
+    def one_sequence(own_k, own_v, count, slot):
         cached_k, cached_v, _ = reconstruct(cache, layer, loop, slot, include_pending=True)
         regions = sequence_regions(cache, slot, include_pending=True)
         length = cache.lengths[slot]
@@ -118,8 +125,21 @@ def _reference(queries, cache, layer, loop, keys, values, counts, *, scale):
         live = cache.active[slot] & (i < count)  # [C] query rows
         own = (i[None, :] <= i[:, None]) & (length + i[None, :] < c.max_tokens_per_sequence)  # [C, C]
         valid = jnp.concatenate([jnp.broadcast_to(cached, (chunk, t.shape[0])), own], axis=1) & live[:, None]
-        all_k = jnp.repeat(jnp.concatenate([cached_k, own_k], axis=0), group, axis=1)  # [T + C, q_heads, D]
-        all_v = jnp.repeat(jnp.concatenate([cached_v, own_v], axis=0), group, axis=1)
+        return (jnp.concatenate([cached_k, own_k], axis=0), jnp.concatenate([cached_v, own_v], axis=0), valid)
+
+    return jax.vmap(one_sequence)(chunk_k, chunk_v, counts, jnp.arange(c.max_sequences))
+
+
+def _reference(queries, cache, layer, loop, keys, values, counts, *, scale):
+    c = cache.config
+    _, chunk, q_heads, head_dim = queries.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    group = q_heads // c.num_kv_heads
+    all_k, all_v, valid = _keys_and_mask(cache, layer, loop, keys, values, counts, chunk)
+
+    def one_sequence(query, keys, values, valid):
+        all_k = jnp.repeat(keys, group, axis=1)  # [T + C, q_heads, D]
+        all_v = jnp.repeat(values, group, axis=1)
         scores = jnp.einsum("chd,thd->hct", query.astype(jnp.float32), all_k,
                             precision=jax.lax.Precision.HIGHEST) * scale
         scores = jnp.where(valid[None], scores, -jnp.inf)
@@ -131,7 +151,18 @@ def _reference(queries, cache, layer, loop, keys, values, counts, *, scale):
         out = out / jnp.where(total > 0, total, 1.0).transpose(1, 0, 2)
         return jnp.where(seen[:, None, None], out, 0.0)
 
-    return jax.vmap(one_sequence)(queries, chunk_k, chunk_v, counts, jnp.arange(sequences))
+    return jax.vmap(one_sequence)(queries, all_k, all_v, valid)
+
+
+def _dense(queries, cache, layer, loop, keys, values, counts, *, scale):
+    """The cached positions decoded to bfloat16, then ``jax.nn.dot_product_attention`` (cuDNN on a GPU)."""
+    head_dim = queries.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    all_k, all_v, valid = _keys_and_mask(cache, layer, loop, keys, values, counts, queries.shape[1])
+    out = jax.nn.dot_product_attention(
+        queries.astype(jnp.bfloat16), all_k.astype(jnp.bfloat16), all_v.astype(jnp.bfloat16),
+        mask=valid[:, None], scale=scale)
+    return jnp.where(jnp.any(valid, axis=-1)[:, :, None, None], out.astype(jnp.float32), 0.0)
 
 
 def _gluon(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, counts, *, scale, interpret=False,
@@ -214,7 +245,10 @@ def chunk_attention(queries, cache: PagedKVCache, layer: int, loop: int, keys, v
         per KV head, in blocks of 8, and the chunk's own tokens are attended
         in XLA; 16x faster than the XLA path at chunk 4 and 8, B8 Hq32 Hkv8,
         32K cached tokens, ``bench/RESULTS.md``). Larger chunks take the XLA
-        path.
+        path. ``"dense"`` (opt-in, not yet timed on a GPU): the cached
+        positions decoded to bfloat16 and ``jax.nn.dot_product_attention``
+        with the mask (cuDNN's flash attention on a GPU), for large chunks;
+        bfloat16 queries and K/V (about 1e-2 relative error).
     Raises:
       TypeError, ValueError: arrays of the wrong dtype or shape, layer or
         loop out of range, concrete ``counts`` outside ``[0, chunk]``, an
@@ -227,6 +261,7 @@ def chunk_attention(queries, cache: PagedKVCache, layer: int, loop: int, keys, v
         "xla": lambda chosen: _reference(queries, cache, layer, loop, keys, values, counts, scale=scale),
         "gluon": lambda chosen: _gluon(queries, cache, layer, loop, keys, values, counts, scale=scale,
                                        interpret=chosen.interpret),
+        "dense": lambda chosen: _dense(queries, cache, layer, loop, keys, values, counts, scale=scale),
     }
     automatic = ("gluon", "xla") if _dispatch.on_gpu() else ("xla",)
     return _dispatch.call(implementation, backends, automatic=automatic)
