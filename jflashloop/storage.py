@@ -15,6 +15,7 @@ from .cache._storage import config_for as config_for
 from .cache._storage import describe_windows as describe_windows
 from .cache._storage import head_token_bytes as head_token_bytes
 from .cache._storage import page_bytes as page_bytes
+from .cache._storage import pool_page_bytes as pool_page_bytes
 from .cache._storage import sequence_bytes as sequence_bytes
 from .cache._storage import shared_prefix_bytes as shared_prefix_bytes
 from .cache._storage import sharing_table as sharing_table
@@ -35,6 +36,7 @@ __all__ = [
     "describe_windows",
     "head_token_bytes",
     "page_bytes",
+    "pool_page_bytes",
     "sequence_bytes",
     "shared_prefix_bytes",
     "sharing_table",

@@ -90,13 +90,14 @@ def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_p
         length=length, visible=visible, page_size=config.page_size, sink_tokens=config.sink_tokens,
         recent_tokens=config.recent_tokens, row_positions=row_positions, loop=loop, stored_pages=stored_pages,
     )
+    policy = config.layer(layer).loops  # this layer's loops
     keys = reference.paged_cache.reconstruct_sequence(
         history_k[layer, :, slot],
-        loops=[(oracle_codec(s.key_spec), None, s.sparse_rows_per_page) for s in config.loops], **common,
+        loops=[(oracle_codec(s.key_spec), None, s.sparse_rows_per_page) for s in policy], **common,
     )
     values = reference.paged_cache.reconstruct_sequence(
         history_v[layer, :, slot],
-        loops=[(oracle_codec(s.value_spec), None, s.sparse_rows_per_page) for s in config.loops], **common,
+        loops=[(oracle_codec(s.value_spec), None, s.sparse_rows_per_page) for s in policy], **common,
     )
     return keys, values
 

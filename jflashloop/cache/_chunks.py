@@ -167,11 +167,12 @@ def append_tokens(cache: PagedKVCache, keys: jax.Array, values: jax.Array, count
     pack_saturated = jnp.zeros((c.max_sequences,), jnp.int32)
     for layer_index, layer in enumerate(cache.layers):
         new_k, new_v = window_k[layer_index], window_v[layer_index]  # [loops, S, chunk, H, D]
+        layer_config = c.layer(layer_index)  # that layer's loop policy
 
-        def pack(loops, new_k=new_k, new_v=new_v, layer=layer):
+        def pack(loops, new_k=new_k, new_v=new_v, layer=layer, layer_config=layer_config):
             tiles, unseen = pack_pages_with_saturations(
                 page_rows(new_k, layer.ring_keys), page_rows(new_v, layer.ring_values),
-                jnp.clip(page_number, 0, c.max_pages_per_sequence - 1).reshape(-1), c, implementation)
+                jnp.clip(page_number, 0, c.max_pages_per_sequence - 1).reshape(-1), layer_config, implementation)
             counted = jnp.where(granted.reshape(-1), tile_saturations(tiles) + unseen, 0)
             ids = jnp.where(granted.reshape(-1), page_ids, c.num_pages)
             return (tuple(pool.put(ids, t) for pool, t in zip(loops, tiles, strict=True)),

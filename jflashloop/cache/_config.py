@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from ..codecs import INT4_KEYS, INT4_VALUES, CodecSpec
@@ -64,6 +65,11 @@ class CacheConfig:
       sink_tokens: first tokens of each sequence kept in ``window_dtype``.
       recent_tokens: most recent tokens of each sequence kept in ``window_dtype``.
       window_dtype: dtype of the unquantized windows (``"bfloat16"``).
+      layer_loops: None (every layer stores its loops as ``loops``: the
+        uniform policy), or one tuple of :class:`LoopStorage` per layer, each
+        as long as ``loops`` and held to the same rules: layer ``i``'s pages
+        are stored as ``layer_loops[i]`` (``loops`` then only gives the loop
+        count). :meth:`layer` gives the config of one layer's pages.
 
     Every count above (and ``LoopStorage.sparse_rows_per_page``) must be a
     Python ``int``: a float or a bool raises ``TypeError``, a value out of
@@ -83,6 +89,7 @@ class CacheConfig:
     sink_tokens: int = 4
     recent_tokens: int = 16
     window_dtype: str = "bfloat16"
+    layer_loops: tuple[tuple[LoopStorage, ...], ...] | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_pages", "max_sequences",
@@ -108,15 +115,6 @@ class CacheConfig:
             )
         if self.page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(f"CacheConfig.page_size must be one of {SUPPORTED_PAGE_SIZES}, got {self.page_size}")
-        if not isinstance(self.loops, tuple) or not self.loops:
-            raise ValueError("CacheConfig.loops must be a non-empty tuple of LoopStorage")
-        for index, loop in enumerate(self.loops):
-            if not isinstance(loop, LoopStorage):
-                raise TypeError(f"CacheConfig.loops[{index}] must be a LoopStorage, got {type(loop).__name__}")
-            if loop.sparse_rows_per_page is not None:
-                _check_int(f"CacheConfig.loops[{index}].sparse_rows_per_page", loop.sparse_rows_per_page)
-        if self.loops[0].is_sparse:
-            raise ValueError("CacheConfig.loops[0] (the base) must be dense")
         if not 0 <= self.sink_tokens < self.page_size:
             raise ValueError(
                 f"CacheConfig.sink_tokens must be in [0, page_size={self.page_size}), got {self.sink_tokens}"
@@ -125,9 +123,31 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.recent_tokens must be >= 0, got {self.recent_tokens}")
         if self.window_dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"CacheConfig.window_dtype must be bfloat16, float16 or float32, got {self.window_dtype!r}")
-        for index, loop in enumerate(self.loops):
+        self._check_loops(self.loops, "CacheConfig.loops")
+        if self.layer_loops is not None:
+            if not isinstance(self.layer_loops, tuple) or len(self.layer_loops) != self.num_layers:
+                raise ValueError(f"CacheConfig.layer_loops must be None or a tuple of num_layers={self.num_layers} "
+                                 "tuples of LoopStorage")
+            for layer, loops in enumerate(self.layer_loops):
+                name = f"CacheConfig.layer_loops[{layer}]"
+                if not isinstance(loops, tuple) or len(loops) != len(self.loops):
+                    raise ValueError(f"{name} must be a tuple of {len(self.loops)} LoopStorage (as many as loops)")
+                self._check_loops(loops, name)
+
+    def _check_loops(self, loops, name: str) -> None:
+        """One layer's loop policy: LoopStorage entries, a dense base, codecs that fit the pages."""
+        if not isinstance(loops, tuple) or not loops:
+            raise ValueError(f"{name} must be a non-empty tuple of LoopStorage")
+        for index, loop in enumerate(loops):
+            if not isinstance(loop, LoopStorage):
+                raise TypeError(f"{name}[{index}] must be a LoopStorage, got {type(loop).__name__}")
+            if loop.sparse_rows_per_page is not None:
+                _check_int(f"{name}[{index}].sparse_rows_per_page", loop.sparse_rows_per_page)
+        if loops[0].is_sparse:
+            raise ValueError(f"{name}[0] (the base) must be dense")
+        for index, loop in enumerate(loops):
             for role, spec in (("key_spec", loop.key_spec), ("value_spec", loop.value_spec)):
-                where = f"CacheConfig.loops[{index}].{role}"
+                where = f"{name}[{index}].{role}"
                 if not isinstance(spec, CodecSpec):
                     raise TypeError(f"{where} must be a CodecSpec, got {type(spec).__name__}")
                 try:
@@ -145,7 +165,7 @@ class CacheConfig:
                     )
             if loop.is_sparse and not 1 <= loop.sparse_rows_per_page <= self.page_size:
                 raise ValueError(
-                    f"CacheConfig.loops[{index}].sparse_rows_per_page must be in [1, {self.page_size}], "
+                    f"{name}[{index}].sparse_rows_per_page must be in [1, {self.page_size}], "
                     f"got {loop.sparse_rows_per_page}"
                 )
 
@@ -165,6 +185,19 @@ class CacheConfig:
     @property
     def max_tokens_per_sequence(self) -> int:
         return self.max_pages_per_sequence * self.page_size
+
+    def layer(self, index: int) -> CacheConfig:
+        """The config of layer ``index``'s pages: its loops as ``loops``, uniform (static, cached)."""
+        if self.layer_loops is None:
+            return self
+        if not 0 <= index < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {index}")
+        return _layer_config(self, index)
+
+    @property
+    def is_uniform(self) -> bool:
+        """Whether every layer stores its loops alike."""
+        return self.layer_loops is None or all(loops == self.loops for loops in self.layer_loops)
 
     def rows(self, loop: int) -> int:
         """Stored rows per page of loop ``loop`` (0-based)."""
@@ -249,6 +282,9 @@ class Policy:
       key_spec, value_spec: the codecs.
       sink_tokens, recent_tokens: unquantized windows.
       page_size: tokens per page.
+      layer_specs: None (every layer uses ``key_spec``/``value_spec``), or one
+        ``(key_spec, value_spec)`` pair per layer of the model
+        (``CacheConfig.layer_loops``).
 
     The defaults are :class:`CacheConfig`'s (INT4 G64, K per channel, V per
     token, 4 sink and 16 recent tokens, 64-token pages).
@@ -260,15 +296,27 @@ class Policy:
     sink_tokens: int = CacheConfig.sink_tokens
     recent_tokens: int = CacheConfig.recent_tokens
     page_size: int = CacheConfig.page_size
+    layer_specs: tuple[tuple[CodecSpec, CodecSpec], ...] | None = None
 
     def cache_config(
         self, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int, max_sequences: int = 1
     ) -> CacheConfig:
-        """A :class:`CacheConfig` holding ``max_sequences`` sequences of ``max_tokens`` tokens."""
+        """A :class:`CacheConfig` holding ``max_sequences`` sequences of ``max_tokens`` tokens.
+
+        Raises:
+          ValueError: ``layer_specs`` does not hold ``num_layers`` pairs.
+        """
+        layer_loops = None
+        if self.layer_specs is not None:
+            if len(self.layer_specs) != num_layers:
+                raise ValueError(f"Policy {self.name!r} has layer_specs for {len(self.layer_specs)} layers, "
+                                 f"the model has {num_layers}")
+            layer_loops = tuple((LoopStorage(key, value),) for key, value in self.layer_specs)
         return CacheConfig.for_sequences(
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, max_tokens=max_tokens,
             max_sequences=max_sequences, loops=(LoopStorage(self.key_spec, self.value_spec),),
             page_size=self.page_size, sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
+            layer_loops=layer_loops,
         )
 
     def bits_per_element(self, num_kv_heads: int, head_dim: int) -> float:
@@ -283,3 +331,8 @@ class Policy:
         tile = (config.page_size, 1, config.head_dim)
         stored = config.loops[0]
         return (stored.key_spec.bits_per_element(tile) + stored.value_spec.bits_per_element(tile)) / 2
+
+
+@functools.cache
+def _layer_config(config: CacheConfig, index: int) -> CacheConfig:
+    return dataclasses.replace(config, loops=config.layer_loops[index], layer_loops=None)

@@ -47,10 +47,11 @@ def create(config: CacheConfig) -> PagedKVCache:
     c = config
     window_dtype = jnp.dtype(c.window_dtype)
     layers = []
-    for _ in range(c.num_layers):
+    for layer_index in range(c.num_layers):
         loops = []
-        for loop_index, storage in enumerate(c.loops):
-            rows = c.rows(loop_index)
+        layer_config = c.layer(layer_index)  # that layer's loop policy
+        for loop_index, storage in enumerate(layer_config.loops):
+            rows = layer_config.rows(loop_index)
             keys = empty_stream(storage.key_spec, c.num_kv_heads, c.num_pages, rows, c.head_dim)
             values = empty_stream(storage.value_spec, c.num_kv_heads, c.num_pages, rows, c.head_dim)
             row_positions = (
@@ -297,7 +298,8 @@ def prefill(
                 c.num_loops, max_full, page_size, c.num_kv_heads, c.head_dim
             )
             pages_v = layer_values[:, : max_full * page_size].reshape(pages_k.shape)
-            tiles, unseen = pack_pages_with_saturations(pages_k, pages_v, page_numbers, c, implementation)
+            tiles, unseen = pack_pages_with_saturations(pages_k, pages_v, page_numbers, c.layer(layer_index),
+                                                        implementation)
             saturated = saturated + jnp.sum(jnp.where(granted, tile_saturations(tiles) + unseen, 0))
             loops = tuple(pool.put(page_ids, new) for pool, new in zip(loops, tiles, strict=True))
         # [loops, tokens, H, D] -> [loops, H, tokens, D] for the head-major windows.
@@ -417,9 +419,10 @@ def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementat
 
     new_layers = []
     saturated = jnp.zeros((c.max_sequences,), jnp.int32)
-    for layer in cache.layers:
+    for layer_index, layer in enumerate(cache.layers):
         pages_k, pages_v = page_rows(layer.ring_keys), page_rows(layer.ring_values)
-        tiles, unseen = pack_pages_with_saturations(pages_k, pages_v, jnp.maximum(page_number, 0), c, implementation)
+        tiles, unseen = pack_pages_with_saturations(pages_k, pages_v, jnp.maximum(page_number, 0),
+                                                    c.layer(layer_index), implementation)
         saturated = saturated + jnp.where(granted, tile_saturations(tiles) + unseen, 0)
         loops = tuple(pool.put(page_ids, new) for pool, new in zip(layer.loops, tiles, strict=True))
         new_layers.append(dataclasses.replace(layer, loops=loops))

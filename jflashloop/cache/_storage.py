@@ -64,7 +64,17 @@ class PageBytes:
 
 
 def page_bytes(config: CacheConfig) -> PageBytes:
-    """Bytes one full page occupies in one layer (all KV heads), per loop and total."""
+    """Bytes one full page occupies in one layer (all KV heads), per loop and total.
+
+    With a per-layer policy pass one layer's config (``config.layer(i)``);
+    :func:`pool_page_bytes` sums a page id over every layer.
+
+    Raises:
+      ValueError: ``config`` stores its layers differently.
+    """
+    if not config.is_uniform:
+        raise ValueError("the config stores its layers differently: page_bytes(config.layer(i)) gives layer i's "
+                         "bytes, pool_page_bytes(config) the sum over layers")
     per_loop = []
     for index, storage in enumerate(config.loops):
         rows = config.rows(index)
@@ -76,6 +86,11 @@ def page_bytes(config: CacheConfig) -> PageBytes:
     return PageBytes(loops=tuple(per_loop), total=sum(per_loop))
 
 
+def pool_page_bytes(config: CacheConfig) -> int:
+    """Bytes of one page id over every layer (each layer's pool holds that page in its own policy)."""
+    return sum(page_bytes(config.layer(index)).total for index in range(config.num_layers))
+
+
 def head_token_bytes(key_spec, value_spec, head_dim: int) -> int:
     """Bytes one token of one KV head occupies with ``key_spec`` K and ``value_spec`` V."""
     shape = (1, 1, head_dim)
@@ -83,8 +98,8 @@ def head_token_bytes(key_spec, value_spec, head_dim: int) -> int:
 
 
 def bytes_per_token(config: CacheConfig) -> float:
-    """Bytes per token per layer in full pages (all loops, K and V, all KV heads)."""
-    return page_bytes(config).total / config.page_size
+    """Bytes per token per layer in full pages (all loops, K and V, all KV heads; the mean over layers)."""
+    return pool_page_bytes(config) / config.num_layers / config.page_size
 
 
 def unquantized_bytes_per_token(config: CacheConfig, dtype=jnp.bfloat16) -> int:
@@ -102,8 +117,7 @@ def window_bytes_per_sequence(config: CacheConfig) -> int:
 def sequence_bytes(config: CacheConfig, tokens: int) -> int:
     """Exact bytes one sequence of ``tokens`` tokens holds, over all layers."""
     pages = tokens // config.page_size
-    per_layer = pages * page_bytes(config).total + window_bytes_per_sequence(config)
-    return config.num_layers * per_layer
+    return pages * pool_page_bytes(config) + config.num_layers * window_bytes_per_sequence(config)
 
 
 def shared_prefix_bytes(config: CacheConfig, sequences: int, prefix_tokens: int, own_tokens: int = 0, *,
@@ -121,7 +135,7 @@ def shared_prefix_bytes(config: CacheConfig, sequences: int, prefix_tokens: int,
     pages_each = (prefix_tokens + own_tokens) // page_size
     prefix_pages = prefix_tokens // page_size if shared else 0
     pages = prefix_pages + sequences * (pages_each - prefix_pages)
-    return config.num_layers * (pages * page_bytes(config).total + sequences * window_bytes_per_sequence(config))
+    return pages * pool_page_bytes(config) + config.num_layers * sequences * window_bytes_per_sequence(config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +161,7 @@ def cache_bytes(cache) -> CacheBytes:
     config = cache.config
     page_refs = np.asarray(cache.page_refs)
     pages, references = int((page_refs > 0).sum()), int(page_refs.sum())
-    per_page = config.num_layers * page_bytes(config).total
+    per_page = pool_page_bytes(config)
     windows = int(np.asarray(cache.active).sum()) * config.num_layers * window_bytes_per_sequence(config)
     return CacheBytes(pages, references, pages * per_page + windows, references * per_page + windows)
 
@@ -209,7 +223,7 @@ def tokens_that_fit(config: CacheConfig, gibibytes: float, sequences: int = 1) -
     budget = gibibytes * 2**30 - sequences * config.num_layers * window_bytes_per_sequence(config)
     if budget <= 0:
         return 0
-    pages = int(budget // (config.num_layers * page_bytes(config).total))
+    pages = int(budget // pool_page_bytes(config))
     return pages * config.page_size
 
 

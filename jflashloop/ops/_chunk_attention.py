@@ -183,7 +183,7 @@ def _gluon(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, co
     rows = chunk * group
     if not emulate:
         check_gluon_runs(interpret)
-    plan = kernel_plan(c, loop)
+    plan = kernel_plan(c.layer(layer), loop)
     reason = gluon_decode.unsupported_reason(plan.loops, head_dim, c.page_size, rows, rows=4 * gluon_decode.ROWS)
     if reason:
         raise NotImplementedError(f"{reason} (chunk x GQA group query rows per KV head)")

@@ -189,9 +189,9 @@ def kernel_plan(config: CacheConfig, loop: int) -> KernelPlan:
     return KernelPlan(loops, seeds[0], seeds[1])
 
 
-def kernel_rotations(cache: PagedKVCache, loop: int) -> tuple[int | None, int | None]:
-    """``(key_seed, value_seed)`` of :func:`kernel_plan` (raises its ``NotImplementedError``)."""
-    plan = kernel_plan(cache.config, loop)
+def kernel_rotations(cache: PagedKVCache, loop: int, layer: int = 0) -> tuple[int | None, int | None]:
+    """``(key_seed, value_seed)`` of :func:`kernel_plan` for ``layer`` (raises its ``NotImplementedError``)."""
+    plan = kernel_plan(cache.config.layer(layer), loop)
     return plan.key_seed, plan.value_seed
 
 
@@ -241,7 +241,8 @@ def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: b
         ring_keys=pool.ring_keys,
         ring_values=pool.ring_values,
         window_loop=loop,
-        loops=loop_formats(c, loop),
+        loops=loop_formats(c.layer(layer), loop),
+        layer=layer,
     )
 
 
@@ -253,7 +254,7 @@ def rotated_inputs(queries, cache: PagedKVCache, loop: int, inputs: dict, plan: 
     loop's windows (then passed alone, ``window_loop`` 0); ``value_seed`` is
     what :func:`unrotated_output` needs. ``plan`` defaults to :func:`kernel_plan`.
     """
-    plan = kernel_plan(cache.config, loop) if plan is None else plan
+    plan = kernel_plan(cache.config.layer(inputs["layer"]), loop) if plan is None else plan
     key_seed, value_seed = plan.key_seed, plan.value_seed
     windows = {name: inputs[name] for name in ("sink_keys", "sink_values", "ring_keys", "ring_values")}
     window_loop = inputs["window_loop"]
@@ -300,23 +301,23 @@ def check_gluon_runs(interpret: bool = False) -> None:
         raise NotImplementedError("the Gluon kernel needs jax_triton (pip install jax-triton)")
 
 
-def _gluon_plan(queries, cache: PagedKVCache, loop: int, interpret: bool = False) -> KernelPlan:
+def _gluon_plan(queries, cache: PagedKVCache, layer: int, loop: int, interpret: bool = False) -> KernelPlan:
     """The :class:`KernelPlan`, or ``NotImplementedError`` saying why the Gluon kernel cannot serve the call."""
     check_gluon_runs(interpret)
     c = cache.config
     if queries.ndim != 3 or queries.shape[1] % c.num_kv_heads:
         raise NotImplementedError("queries must be [max_sequences, q_heads, head_dim]")
-    plan = kernel_plan(c, loop)
+    plan = kernel_plan(c.layer(layer), loop)
     reason = gluon_decode.unsupported_reason(plan.loops, c.head_dim, c.page_size, queries.shape[1] // c.num_kv_heads)
     if reason:
         raise NotImplementedError(reason)
     return plan
 
 
-def gluon_unsupported_reason(queries, cache: PagedKVCache, loop: int) -> str | None:
-    """Why the Gluon kernel cannot serve this call, or None (it needs a GPU and ``jax_triton``)."""
+def gluon_unsupported_reason(queries, cache: PagedKVCache, loop: int, layer: int = 0) -> str | None:
+    """Why the Gluon kernel cannot serve this call (of ``layer``), or None (it needs a GPU and ``jax_triton``)."""
     try:
-        _gluon_plan(queries, cache, loop)
+        _gluon_plan(queries, cache, layer, loop)
     except NotImplementedError as error:
         return str(error)
     return None
@@ -327,7 +328,7 @@ def _softmax_scale(head_dim: int, scale: float | None) -> float:
 
 
 def _gluon(queries, cache, layer, loop, *, include_pending, scale, kernel_config, interpret):
-    plan = _gluon_plan(queries, cache, loop, interpret)
+    plan = _gluon_plan(queries, cache, layer, loop, interpret)
     c = cache.config
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)
@@ -345,7 +346,7 @@ def _gluon(queries, cache, layer, loop, *, include_pending, scale, kernel_config
 
 
 def _pallas(queries, cache, layer, loop, *, include_pending, scale, kernel_config, interpret, poison):
-    plan = kernel_plan(cache.config, loop)
+    plan = kernel_plan(cache.config.layer(layer), loop)
     c = cache.config
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)

@@ -141,11 +141,18 @@ def _check_bundle(bundle: PageBundle) -> None:
     tree_from_arrays(template, dict(named_leaves(bundle.layers)), "page bundle")
 
 
+def _layout(config: CacheConfig, name: str):
+    """A layout field; "loops" is every layer's policy (per-layer configs compare layer by layer)."""
+    if name == "loops" and config.num_layers and not config.is_uniform:
+        return tuple(config.layer(index).loops for index in range(config.num_layers))
+    return getattr(config, name)
+
+
 def _check_compatible(destination: CacheConfig, source: CacheConfig) -> None:
-    different = [name for name in _LAYOUT_FIELDS if getattr(destination, name) != getattr(source, name)]
+    different = [name for name in _LAYOUT_FIELDS if _layout(destination, name) != _layout(source, name)]
     if different:
         details = ", ".join(
-            f"{name}: bundle {getattr(source, name)!r} vs cache {getattr(destination, name)!r}" for name in different
+            f"{name}: bundle {_layout(source, name)!r} vs cache {_layout(destination, name)!r}" for name in different
         )
         raise PersistenceError(f"the bundle's pages do not fit this cache's layout ({details})")
 

@@ -45,14 +45,20 @@ def config_from_json(data: Mapping) -> CacheConfig:
     """Inverse of :func:`config_to_json` (the config validates itself)."""
     try:
         fields = dict(data)
-        fields["loops"] = tuple(
-            LoopStorage(
-                key_spec=CodecSpec(**loop["key_spec"]),
-                value_spec=CodecSpec(**loop["value_spec"]),
-                sparse_rows_per_page=loop["sparse_rows_per_page"],
+
+        def loops_from(entries):
+            return tuple(
+                LoopStorage(
+                    key_spec=CodecSpec(**loop["key_spec"]),
+                    value_spec=CodecSpec(**loop["value_spec"]),
+                    sparse_rows_per_page=loop["sparse_rows_per_page"],
+                )
+                for loop in entries
             )
-            for loop in fields["loops"]
-        )
+
+        fields["loops"] = loops_from(fields["loops"])
+        if fields.get("layer_loops") is not None:  # files of earlier versions have no layer_loops: uniform
+            fields["layer_loops"] = tuple(loops_from(layer) for layer in fields["layer_loops"])
         return CacheConfig(**fields)
     except (KeyError, TypeError, ValueError) as error:
         raise PersistenceError(f"the stored config is not a valid CacheConfig: {error}") from error

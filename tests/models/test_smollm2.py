@@ -255,3 +255,35 @@ def test_ngram_draft():
     assert ngram_draft([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
     assert ngram_draft([5, 6, 7], 2) == []
     assert ngram_draft([4, 1, 8, 4], 5) == [1, 8, 4]
+
+
+def test_a_per_layer_policy_through_the_model(model):
+    """A policy given layer by layer (here every layer's pair equals the default) builds the same cache as
+    the uniform one; the cache's layers take the pairs they are given."""
+    import dataclasses
+
+    import jax
+
+    import jflashloop
+    from jflashloop.apps import demo, quality
+    from jflashloop.models import cached_decoding
+    from tests.bits import assert_bits_equal
+
+    params, config, tokenizer = model
+    prompt = tokenizer.encode(gguf_loader.format_chat_prompt(demo.QUESTION)).ids
+    cached = cached_decoding.CachedModel(params, config, max_tokens=len(prompt) + 8)
+    uniform = quality.DEFAULT_POLICY
+    pairs = ((uniform.key_spec, uniform.value_spec),) * config.num_layers
+    per_layer = dataclasses.replace(uniform, layer_specs=pairs)
+    runs = [cached.paged(policy, prompt, len(prompt) - 1) for policy in (uniform, per_layer)]
+    for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1]), strict=True):
+        assert_bits_equal(np.asarray(a), np.asarray(b), "cache")
+    mixed = dataclasses.replace(uniform, layer_specs=((jflashloop.NVFP4, jflashloop.NVFP4), *pairs[1:]))
+    layer_config = mixed.cache_config(num_layers=config.num_layers, num_kv_heads=config.num_key_value_heads,
+                                      head_dim=config.head_dim, max_tokens=64)
+    assert layer_config.layer(0).loops[0].key_spec == jflashloop.NVFP4
+    assert layer_config.layer(1).loops[0].key_spec == uniform.key_spec
+    with pytest.raises(ValueError, match="layer_specs for 1 layers"):
+        dataclasses.replace(uniform, layer_specs=pairs[:1]).cache_config(
+            num_layers=config.num_layers, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            max_tokens=64)
