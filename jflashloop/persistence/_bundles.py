@@ -143,7 +143,7 @@ def _check_bundle(bundle: PageBundle) -> None:
 
 def _layout(config: CacheConfig, name: str):
     """A layout field; "loops" is every layer's policy (per-layer configs compare layer by layer)."""
-    if name == "loops" and config.num_layers and not config.is_uniform:
+    if name == "loops" and not config.is_uniform:
         return tuple(config.layer(index).loops for index in range(config.num_layers))
     return getattr(config, name)
 
