@@ -36,9 +36,8 @@ def test_pipelined_kernel_compiles_with_register_fragments(head_dim, page_size):
     assert compiled.metadata.shared == 2 * stage_bytes
     resources = compile_check.ptxas_resources(ptx, "sm_90a")
     assert resources["registers"] <= 255
-    if head_dim <= 128 and page_size <= 64:  # the float16-query variant fits the registers without spills
-        fast = compile_check.compile_pages_kernel("pipelined", head_dim=head_dim, page_size=page_size, precise=False)
-        assert compile_check.ptxas_resources(fast.asm["ptx"], "sm_90a")["spill_stores"] == 0
+    if head_dim <= 128 and page_size <= 64:  # the default (float16 query pairs) fits the registers without spills
+        assert resources["spill_stores"] == 0
 
 
 def test_pipelined_kernel_reads_a_dense_chain():
@@ -73,9 +72,9 @@ def test_simple_kernel_uses_no_shared_memory():
 
 def test_pipelined_kernel_reads_more_query_rows_in_blocks_of_eight():
     """Chunk attention's 16-32 query rows per KV head: the same register-only kernel, no spills."""
-    single = compile_check.compile_pages_kernel("pipelined", precise=False, group=4)
+    single = compile_check.compile_pages_kernel("pipelined", group=4)
     for row_blocks, group in ((2, 16), (4, 27)):
-        compiled = compile_check.compile_pages_kernel("pipelined", precise=False, group=group, row_blocks=row_blocks)
+        compiled = compile_check.compile_pages_kernel("pipelined", group=group, row_blocks=row_blocks)
         ptx = compiled.asm["ptx"]
         assert _count(ptx, r"st\.shared") == 0 and compiled.metadata.shared == single.metadata.shared
         assert compile_check.ptxas_resources(ptx, "sm_90a")["spill_stores"] == 0

@@ -109,7 +109,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
                   emulate: bool = False, merge_group: int | None = None, precise: bool = True,
                   query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0),
-                  row_blocks: int = 1):
+                  row_blocks: int = 1, lazy: bool = False):
     """Run the Gluon page kernel.
 
     Args:
@@ -131,6 +131,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         output float32 ``[S, H * merge_group, D]`` (pipelined kernel only).
       row_blocks: blocks of 8 query rows per KV head (pipelined kernel; the
         query ``[S, H, group, D]`` with ``group <= 8 row_blocks``).
+      lazy: rescale the running softmax state only when a row's maximum grows
+        by more than ``gluon_decode.RESCALE_LOG2`` (pipelined kernel).
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
       splits, 8], max [...])`` float32, natural channel order (program ``h *
@@ -197,7 +199,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
             raise ValueError(f"merge_group {merge_group} differs from the query's {group} rows")
         extra.update(MERGE=merge_group is not None, GROUP=group, PRECISE=precise,
                      QSCALE=1.0 if query_scale is None else float(query_scale),
-                     PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]), RB=row_blocks)
+                     PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]), RB=row_blocks,
+                     LAZY=lazy)
     elif query_scale is not None:
         raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
@@ -242,7 +245,7 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
                                              "splits", "pages_only", "kernel", "stages",
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
                                              "partials_only", "maxnreg", "emulate", "merge", "precise",
-                                             "limits"))
+                                             "limits", "lazy"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, state=None, limits: tuple[int, int, int] | None = None,
                            loops, page_size: int, sink_tokens: int, window_loop: int,
@@ -250,7 +253,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            kernel: str = "pipelined", stages: int | None = None, fused_windows: bool = True,
                            chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
-                           merge: str | None = None, precise: bool | None = None):
+                           merge: str | None = None, precise: bool | None = None, lazy: bool | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -275,11 +278,13 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     * ``emulate`` runs the Gluon kernel's own body on the CPU with numpy
       (:mod:`jflashloop_triton_kernels.emulate`; tests, small shapes).
     * ``precise`` (pipelined kernel): the query and each page's scaled query
-      as float16 pairs (two products each; about 10x less error on keys with
-      outlier channels and large per-channel offsets), else one float16 each.
-      None: pairs at head_dim 64, where one float16 exceeded 2e-3 on such keys
-      and the pairs fit the registers; one float16 at 128 and 256 (within
-      2e-3 there; the pairs spill registers, ``bench/KERNEL_NOTES.md``).
+      as float16 pairs, the low halves in the m16 products' padding rows 8-15
+      (no extra product; about 10x less error on keys with outlier channels
+      and large per-channel offsets: at most 2.6e-4 against up to 2.8e-3 with
+      one float16), else one float16 each. None: the pairs.
+    * ``lazy`` (pipelined kernel): rescale the running softmax state only
+      when a row's maximum grows by more than ``RESCALE_LOG2`` (fewer
+      multiplies per page). None: off.
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -330,7 +335,9 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         raise ValueError(f"merge must be 'gluon', 'xla' or 'kernel', got {merge!r}")
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
     if precise is None:
-        precise = head_dim <= 64
+        precise = True
+    if lazy is None:
+        lazy = False
     # The pipelined kernel scales and pads the caller's queries itself (no XLA pass before it).
     kernel_query = queries.reshape(sequences, kv_heads, group, head_dim) if pipelined else query
     outputs = page_partials(
@@ -338,7 +345,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         sparse_rows=sparse_rows, merge_group=group if in_kernel else None, precise=precise, page_size=page_size,
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
-        query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks,
+        query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks, lazy=lazy,
         **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]

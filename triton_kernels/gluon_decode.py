@@ -40,6 +40,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 ROWS = 8  # query rows per (sequence, KV head): the GQA group padded to 8
 MASK_VALUE = gl.constexpr(-1e30)
+# The page kernel rescales its running softmax state only when a row's maximum grows by more than this
+# (base-2 logits): float16 probabilities then stay below 2**8.
+RESCALE_LOG2 = gl.constexpr(8.0)
 
 
 @gluon.constexpr_function
@@ -202,8 +205,7 @@ def _to_key_order(x, D: gl.constexpr, W: gl.constexpr):
 @gluon.jit
 def _pad_rows(x, D: gl.constexpr, A_LAYOUT: gl.constexpr):
     """``[8, D]`` -> ``[16, D]`` (rows 8-15 zero) in ``A_LAYOUT``."""
-    x = gl.permute(gl.join(x, gl.zeros_like(x)), [2, 0, 1])
-    return gl.convert_layout(gl.reshape(x, [16, D]), A_LAYOUT, assert_trivial=True)
+    return _stack_rows(x, gl.zeros_like(x), D, A_LAYOUT)
 
 
 @gluon.jit
@@ -211,6 +213,46 @@ def _top_rows(s, PAGE: gl.constexpr):
     """``[16, PAGE]`` -> rows 0-7 ``[8, PAGE]`` (register-only split)."""
     lo, _hi = gl.split(gl.permute(gl.reshape(s, [2, 8, PAGE]), [1, 2, 0]))
     return lo
+
+
+@gluon.jit
+def _rescale(sums, acc, run_max, row_max, MMA: gl.constexpr):
+    """The online softmax's running state moved to ``max(run_max, row_max)``: (sums, acc, run_max)."""
+    new_max = gl.maximum(run_max, row_max)
+    correction = gl.exp2(run_max - new_max)
+    sums = sums * gl.expand_dims(gl.convert_layout(correction, gl.SliceLayout(1, sums.type.layout)), 1)
+    acc = acc * gl.expand_dims(gl.convert_layout(correction, gl.SliceLayout(0, MMA)), 0)
+    return sums, acc, new_max
+
+
+@gluon.jit
+def _lane_sums(x, N: gl.constexpr):
+    """``[8, N]`` in an accumulator's row layout -> ``[8, 8]``: each row's sums over the columns a
+    thread holds (``c + 8 j`` summed over ``j``: register-only); summing the 8 columns finishes
+    the row sums."""
+    return gl.sum(gl.reshape(x, [8, N // 8, 8]), axis=1)
+
+
+@gluon.jit
+def _split_rows(x, N: gl.constexpr):
+    """``[16, N]`` -> (rows 0-7, rows 8-15), each ``[8, N]`` (register-only: a thread of an
+    ``mma`` operand or accumulator holds rows ``g`` and ``g + 8`` alike)."""
+    return gl.split(gl.permute(gl.reshape(x, [2, 8, N]), [1, 2, 0]))
+
+
+@gluon.jit
+def _stack_rows(top, bottom, N: gl.constexpr, LAYOUT: gl.constexpr):
+    """Two ``[8, N]`` -> ``[16, N]`` (``top`` in rows 0-7) in ``LAYOUT`` (register-only)."""
+    x = gl.permute(gl.join(top, bottom), [2, 0, 1])
+    return gl.convert_layout(gl.reshape(x, [16, N]), LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _fold_rows(s, N: gl.constexpr):
+    """``[16, N]`` scores of a query held as float16 high (rows 0-7) and low (rows 8-15)
+    halves -> the scores of the query ``[8, N]``: the two halves' rows summed (register-only)."""
+    hi, lo = _split_rows(s, N)
+    return hi + lo
 
 
 @gluon.jit
@@ -686,32 +728,31 @@ def _stream_buffers(STAGES: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr, D
 
 @gluon.jit
 def _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D: gl.constexpr, W: gl.constexpr,
-               A_OP: gl.constexpr, B8: gl.constexpr, KM: gl.constexpr):
-    """One key stream's page terms: the query scaled by the page's channel scales (A operand, float16)
-    and ``q . min`` in every column of a ``[16, 8]`` accumulator."""
+               A_OP: gl.constexpr, B8: gl.constexpr, KM: gl.constexpr, PRECISE: gl.constexpr):
+    """One key stream's page terms: the query scaled by the page's channel scales (A operand, float16,
+    the product's high half in rows 0-7 and its low half in rows 8-15) and ``q . min`` in every
+    column of a ``[16, 8]`` accumulator (the halves' rows, to be folded with the scores)."""
+    operand, hi, lo = query
     k_scale = _key_order_1d(ks_s.index(stage).load(KM), D, W)
     k_min = _key_order_1d(km_s.index(stage).load(KM), D, W)
-    k_scale = gl.convert_layout(k_scale, gl.SliceLayout(0, A_OP), assert_trivial=True)
+    k_scale = gl.convert_layout(k_scale, gl.SliceLayout(0, hi.type.layout), assert_trivial=True)
     k_min = gl.convert_layout(k_min, gl.SliceLayout(1, B8), assert_trivial=True)
     minimum = gl.broadcast(gl.expand_dims(k_min, 1), zeros_b8)[0]
     scale = gl.expand_dims(k_scale, 0)
-    scaled_hi = query[0] * scale
-    if len(query) == 2:
-        scaled_lo = gl.fma(query[1], scale, gl.fma(query[0], scale, -scaled_hi))  # the rounding remainder
-        scaled = (scaled_hi, scaled_lo)
+    # (hi + lo) * s as a float16 pair: hi * s rounded, then its exact rounding remainder plus lo * s.
+    scaled_hi = hi * scale
+    if PRECISE:
+        scaled_lo = gl.fma(lo, scale, gl.fma(hi, scale, -scaled_hi))
     else:
-        scaled = (scaled_hi,)
-    return scaled, _q_dot(query, minimum, zeros_c8)
+        scaled_lo = gl.zeros_like(scaled_hi)
+    return _stack_rows(scaled_hi, scaled_lo, D, A_OP), mma_v2(operand, minimum, zeros_c8)
 
 
 @gluon.jit
 def _q_dot(query, b, acc):
-    """``acc + q . b`` for a query held as ``(hi,)`` (float16) or ``(hi, lo)`` (a float16 pair
-    of about 22 bits: two products)."""
-    acc = mma_v2(query[0], b, acc)
-    if len(query) == 2:
-        acc = mma_v2(query[1], b, acc)
-    return acc
+    """``acc + q . b`` for the query operand (``query[0]``: float16 ``[16, D]``, its high half in
+    rows 0-7 and its low half in rows 8-15; fold the result's rows with :func:`_fold_rows`)."""
+    return mma_v2(query[0], b, acc)
 
 
 @gluon.jit
@@ -848,7 +889,7 @@ def _window_chunk(query, k_ptr, v_ptr, first, count, valid, total, run_max, acc,
     values = gl.reshape(values, [16, 8, W // 8, 2, 2, 2])  # (row, wt, wl, i2, i1, i0)
     values = gl.reshape(gl.permute(values, [3, 4, 5, 2, 1, 0]), [D, 16])  # (i2, i1, i0, wl, wt; row)
     values = gl.convert_layout(values, A_OP, assert_trivial=True)
-    scores = _top_rows(_q_dot(query, keys, gl.zeros([16, 16], gl.float32, layout=MMA)), 16)  # [8, 16]
+    scores = _fold_rows(_q_dot(query, keys, gl.zeros([16, 16], gl.float32, layout=MMA)), 16)  # [8, 16]
     scores = gl.convert_layout(scores, tokens_w_layout(MMA), assert_trivial=True)
     mask = gl.expand_dims(valid, 0)
     scores = gl.where(mask, scores, MASK_VALUE)
@@ -974,13 +1015,14 @@ def _add_sparse_values(acc, weights, vw_s, stage, meta, c, RP: gl.constexpr, CHU
 
 @gluon.jit
 def _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, tile, stage, zeros_b8, zeros_c8, D: gl.constexpr,
-                W: gl.constexpr, A_OP: gl.constexpr, B8: gl.constexpr, KM: gl.constexpr, FORMAT: gl.constexpr):
+                W: gl.constexpr, A_OP: gl.constexpr, B8: gl.constexpr, KM: gl.constexpr, FORMAT: gl.constexpr,
+                PRECISE: gl.constexpr):
     """Per-page terms of one stream: INT4 ``(scaled query, q . min)``; NVFP4 the tile's
     float32 key and value scales (read straight from memory)."""
     if FORMAT == NVFP4:
         terms = (gl.load(km_ptr + tile), gl.load(vm_ptr + tile))
     elif FORMAT == INT4:
-        terms = _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D, W, A_OP, B8, KM)
+        terms = _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D, W, A_OP, B8, KM, PRECISE)
     else:  # ROTATED: the scales are per token, read with the tiles
         terms = (0.0, 0.0)
     return terms
@@ -1008,7 +1050,7 @@ def _add_key_scores(scores, query, terms, kw_s, ks_s, stage, c, zero_scores, PAG
         keys = _nvfp4_key_tile(words, scale_bytes, CHUNK, W, D, B_OP)
         scores = scores + terms[0] * _q_dot(query, keys, zero_scores)
     else:
-        scores = _q_dot(terms[0], _key_tile_v2(words, CHUNK, W, D, B_OP), scores)
+        scores = mma_v2(terms[0], _key_tile_v2(words, CHUNK, W, D, B_OP), scores)
     return scores
 
 
@@ -1163,7 +1205,7 @@ def int4_pages_kernel_v2(
     FORMAT: gl.constexpr = 0, SPARSE: gl.constexpr = 0, R3: gl.constexpr = 16, R4: gl.constexpr = 16,
     MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
-    RECENT: gl.constexpr = 0, RB: gl.constexpr = 1,
+    RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1181,8 +1223,11 @@ def int4_pages_kernel_v2(
     last program of each (sequence, KV head) to finish (an atomic counter)
     merges every split's partials and writes the ``GROUP`` output rows of
     its query heads: no separate merge. ``PRECISE`` holds the query and the
-    page's scaled query as float16 pairs (two products each): about 10x less
-    error on keys with outlier channels and large per-channel offsets.
+    page's scaled query as float16 pairs, the low halves in the padding rows
+    8-15 of the m16 products (no extra product): about 10x less error on keys
+    with outlier channels and large per-channel offsets. ``LAZY`` rescales the
+    running softmax state only when a row's maximum grows by more than
+    ``RESCALE_LOG2``.
 
     The query ``q_ptr`` here is the caller's ``[S, H * GROUP, D]`` (float32,
     bfloat16 or float16, natural channel order, not padded): the kernel
@@ -1257,14 +1302,19 @@ def int4_pages_kernel_v2(
     q_cols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
     query = gl.load(q_ptr + program * (GROUP * D) + gl.expand_dims(q_rows, 1) * D + gl.expand_dims(q_cols, 0),
                     mask=gl.expand_dims(q_rows < GROUP, 1), other=0.0).to(gl.float32) * QSCALE
-    # PRECISE: the query, and each page's scaled query, as float16 pairs hi + lo (the rounding
-    # remainder in lo), so that the large q . k of offset and outlier key channels keep ~22 bits.
+    # The query as a float16 pair in one operand: its high half in rows 0-7 and, with PRECISE, the
+    # rounding remainder in rows 8-15 (the padding rows of the m16 products), so each product scores
+    # both halves at once and the rows are folded after it (:func:`_fold_rows`): the large q . k of
+    # offset and outlier key channels keep ~22 bits at no extra product.
     query_hi = query.to(gl.float16)
+    hi8 = _to_key_order(query_hi, D, W)
     if PRECISE:
-        query_lo = (query - query_hi.to(gl.float32)).to(gl.float16)
-        query = (_pad_rows(_to_key_order(query_hi, D, W), D, A_OP), _pad_rows(_to_key_order(query_lo, D, W), D, A_OP))
+        lo8 = _to_key_order((query - query_hi.to(gl.float32)).to(gl.float16), D, W)
     else:
-        query = (_pad_rows(_to_key_order(query_hi, D, W), D, A_OP),)
+        lo8 = gl.zeros_like(hi8)
+    operand = _stack_rows(hi8, lo8, D, A_OP)
+    hi8, lo8 = _split_rows(operand, D)  # the halves in the operand's own row layout (page scales)
+    query = (operand, hi8, lo8)
     B8: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     zeros_b8 = gl.zeros([D, 8], gl.float16, layout=B8)
     zeros_c8 = gl.zeros([16, 8], gl.float32, layout=MMA)
@@ -1272,8 +1322,8 @@ def int4_pages_kernel_v2(
     acc = gl.zeros([D, 8], gl.float32, layout=MMA)
     zero_scores = gl.zeros([16, CHUNK], gl.float32, layout=MMA)
     run_max = gl.max(_top_rows(zero_scores, CHUNK), axis=1) + MASK_VALUE
-    sums = _top_rows(zero_scores, CHUNK)
-    tokens = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, sums.type.layout))
+    tokens = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, _top_rows(zero_scores, CHUNK).type.layout))
+    sums = _lane_sums(_top_rows(zero_scores, CHUNK), CHUNK)  # [8, 8]: per-thread partial row sums
 
     for step in range(count):
         ahead = (step + STAGES - 1) % STAGES
@@ -1295,10 +1345,10 @@ def int4_pages_kernel_v2(
             meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, B_OP)
         if FORMAT == NVFP4:  # the tile scales come from global memory: load them before waiting
             terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D,
-                                W, A_OP, B8, KM, FORMAT)
+                                W, A_OP, B8, KM, FORMAT, PRECISE)
             if STREAMS == 2:
                 terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, step % STAGES, zeros_b8,
-                                     zeros_c8, D, W, A_OP, B8, KM, FORMAT)
+                                     zeros_c8, D, W, A_OP, B8, KM, FORMAT, PRECISE)
         async_copy.wait_group(STAGES - 1)  # this page's copies have landed in shared memory
         stage = step % STAGES
         if FORMAT == ROTATED:
@@ -1306,10 +1356,10 @@ def int4_pages_kernel_v2(
             terms2 = (0.0, 0.0)
         if FORMAT == INT4:  # the key metadata is in shared memory: read it after waiting
             terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, stage, zeros_b8, zeros_c8, D, W,
-                                A_OP, B8, KM, FORMAT)
+                                A_OP, B8, KM, FORMAT, PRECISE)
             if STREAMS == 2:
                 terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, stage, zeros_b8, zeros_c8, D,
-                                     W, A_OP, B8, KM, FORMAT)
+                                     W, A_OP, B8, KM, FORMAT, PRECISE)
         if FORMAT == INT4:  # the streams' q . min start the score accumulator
             offset = terms[1]
             if STREAMS == 2:
@@ -1329,18 +1379,24 @@ def int4_pages_kernel_v2(
             if SPARSE >= 2:
                 both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
                                           B_OP, KW4)
-            scores = _top_rows(both, CHUNK)  # [8, CHUNK]
-            token = (first + step) * PAGE + c * CHUNK + tokens
-            valid = gl.expand_dims((token >= SINK) & (token < packed_end) & current_live, 0)
+            scores = _fold_rows(both, CHUNK)  # [8, CHUNK]
+            start_token = (first + step) * PAGE + c * CHUNK
+            valid = gl.expand_dims((start_token + tokens >= SINK) & (start_token + tokens < packed_end)
+                                   & current_live, 0)
             scores = gl.where(valid, scores, MASK_VALUE)
-            new_max = gl.maximum(run_max, gl.max(scores, axis=1))
-            correction = gl.exp2(run_max - new_max)
-            weights = gl.where(valid, gl.exp2(scores - gl.expand_dims(new_max, 1)), 0.0)
-            sums = sums * gl.expand_dims(correction, 1) + weights
-            run_max = new_max
+            row_max = gl.max(scores, axis=1)
+            # LAZY: the running maximum moves only when a row's maximum grows by more than RESCALE_LOG2
+            # (weights then stay below 2**RESCALE_LOG2; sums, outputs and the partials' maximum all
+            # refer to the same running maximum, so the result is the same up to rounding).
+            if LAZY:
+                if gl.max(row_max - run_max, axis=0) > RESCALE_LOG2:
+                    sums, acc, run_max = _rescale(sums, acc, run_max, row_max, MMA)
+            else:
+                sums, acc, run_max = _rescale(sums, acc, run_max, row_max, MMA)
+            weights = gl.exp2(scores - gl.expand_dims(run_max, 1))
+            weights = gl.where(valid, weights, 0.0)
+            sums = sums + _lane_sums(weights, CHUNK)
             p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-            acc_correction = gl.convert_layout(correction, gl.SliceLayout(0, MMA))
-            acc = acc * gl.expand_dims(acc_correction, 0)
             acc = _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP,
                               B_OP, VT, VS, FORMAT)
             if STREAMS == 2:
