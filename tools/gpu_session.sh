@@ -47,10 +47,11 @@ for stage in "$@"; do
     sharded) run_stage sharded 120 python3 examples/sharded_decode.py --data 1 --model 1 --tokens 4096 --steps 8 ;;
     sweep) run_stage sweep 140 python3 bench/decode.py --sweep ;;
     chainsweep) run_stage chainsweep 200 python3 bench/decode.py --sweep --sweep-loops 2,4 ;;
-    gluontests) run_stage gluontests 240 python3 -m pytest -q -n 4 --maxfail=5 -p no:cacheprovider tests/test_gluon_decode.py \
+    gluontests) run_stage gluontests "${TESTS_LIMIT:-240}" python3 -m pytest -q -n "${TEST_WORKERS:-4}" --maxfail=5 -p no:cacheprovider tests/test_gluon_decode.py \
              tests/test_chunks.py ;;
     formulations) run_stage formulations 200 python3 bench/kernel_formulations.py ;;
-    gluonbench) run_stage gluonbench 280 python3 bench/kernel_formulations.py --device-time --shapes 0,1,2,3,4,5 \
+    gluonbench) run_stage gluonbench "${BENCH_LIMIT:-280}" python3 bench/kernel_formulations.py --device-time \
+             --shapes "${BENCH_SHAPES:-0,1,2,3,4,5}" \
              --names "${BENCH_NAMES:-pallas,public,gluon2-s2w-mx,gluon2-s2w-mg,gluon2-s2w-mx-n1,gluon2-s2w-x}" ;;
     gluonformats) for spec in nvfp4:1 int4_rotated:1 int4:2 int4:4; do
                run_stage "formats-${spec/:/-loop}" 120 python3 bench/kernel_formulations.py --device-time --shapes 0,1 \
@@ -61,7 +62,7 @@ for stage in "$@"; do
              --launch-count "$(echo "$profiled" | tr ',' '\n' | wc -l)" \
              --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
              --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-             --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed.sum \
+             --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed.sum${NCU_METRICS:+,$NCU_METRICS} \
              python3 bench/kernel_formulations.py --profile "$profiled" --shape 0 ;;
     ncuwhole) run_stage ncuwhole 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
              python3 bench/kernel_formulations.py --profile "${NCU_WHOLE:-public,gluon2-s2w}" --whole --shape "${NCU_SHAPE:-3}" ;;
