@@ -404,8 +404,8 @@ def decode_attention(
         (block sizes, splits, warps); None uses the measured defaults. The
         Gluon kernel takes its ``num_splits`` and ``target_programs``, and
         reads ``products="float32"`` as a request for its most precise
-        products (the query and scaled query as float16 pairs at every
-        head_dim).
+        products (the query and scaled query as float16 pairs, which are
+        also its default).
       poison_for_tests: fill the Pallas kernel's partial outputs with NaN
         first, so an element it fails to write shows up as NaN.
     Returns:
