@@ -2,7 +2,8 @@
 
 The public API is what this module re-exports, and the namespaces it
 re-exports: :mod:`jflashloop.codecs`, :mod:`jflashloop.paged_cache` (the
-cache's operations), :mod:`jflashloop.storage` (byte accounting),
+cache's operations), :mod:`jflashloop.storage` (byte accounting), :mod:`jflashloop.allocation`
+(per-layer policies under a bit budget and their files),
 :mod:`jflashloop.checked`, :mod:`jflashloop.persistence` and
 :mod:`jflashloop.sharding`. Every other module (a leading underscore, or
 inside ``codecs/``, ``cache/`` and ``ops/``) is internal; ``docs/architecture.md``
@@ -12,6 +13,7 @@ Layers, loops, slots and positions are 0-based everywhere: loop 0 is a
 looped model's first loop (the base of its residual chain).
 """
 
+from . import allocation as allocation
 from . import checked as checked
 from . import codecs as codecs
 from . import paged_cache as paged_cache
@@ -71,12 +73,46 @@ def __getattr__(name: str):
 
 # The public API (sorted; the imports above group it by room).
 __all__ = [
-    "E8_KEYS", "INT4_GROUP_ROTATED_VALUES", "INT4_KEYS", "INT4_VALUES", "NVFP4", "CacheConfig",
-    "CacheStateError", "Chain", "CodecSpec", "EncodeStatistics", "LoopStorage",
-    "NonFiniteInputError", "Packed", "PagedKVCache", "PersistenceError", "Policy", "Residual",
-    "SaturationError", "checked", "chunk_attention", "chunk_attention_reference", "codecs", "count_saturations", "decode", "decode_attention",
-    "decode_attention_reference", "decode_chain", "decode_loop", "decode_residual", "encode",
-    "encode_chain", "encode_residual", "encode_with_statistics", "global_scale_from_amax",
-    "int2_lloyd_max", "int4_rotated", "paged_cache", "persistence", "sharding", "sparse_loop",
+    "E8_KEYS",
+    "INT4_GROUP_ROTATED_VALUES",
+    "INT4_KEYS",
+    "INT4_VALUES",
+    "NVFP4",
+    "CacheConfig",
+    "CacheStateError",
+    "Chain",
+    "CodecSpec",
+    "EncodeStatistics",
+    "LoopStorage",
+    "NonFiniteInputError",
+    "Packed",
+    "PagedKVCache",
+    "PersistenceError",
+    "Policy",
+    "Residual",
+    "SaturationError",
+    "allocation",
+    "checked",
+    "chunk_attention",
+    "chunk_attention_reference",
+    "codecs",
+    "count_saturations",
+    "decode",
+    "decode_attention",
+    "decode_attention_reference",
+    "decode_chain",
+    "decode_loop",
+    "decode_residual",
+    "encode",
+    "encode_chain",
+    "encode_residual",
+    "encode_with_statistics",
+    "global_scale_from_amax",
+    "int2_lloyd_max",
+    "int4_rotated",
+    "paged_cache",
+    "persistence",
+    "sharding",
+    "sparse_loop",
     "storage"
 ]

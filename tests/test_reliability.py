@@ -358,6 +358,26 @@ BAD_INPUTS = [
      lambda: jflashloop.chunk_attention(jnp.ones((2, 3, 1, 16)), one_active_cache(), 0, 0, jnp.ones((2, 2, 1, 16)),
                                         jnp.ones((2, 2, 1, 16)), jnp.asarray([1, 1])),
      ValueError, "keys must be \\[max_sequences, chunk, kv_heads, head_dim\\] = \\(2, 3, 1, 16\\), got \\(2, 2, 1, 16\\)"),
+    ("allocation.allocate: a budget below the cheapest assignment",
+     lambda: jflashloop.allocation.allocate(np.ones((2, 2)), np.array([4.5, 2.25]), 2.0),
+     ValueError, "budget 2.0 is below the cheapest assignment, 2.2500 bits per element on average"),
+    ("allocation.allocate: costs of another shape",
+     lambda: jflashloop.allocation.allocate(np.ones((2, 3)), np.ones(4), 4.0),
+     ValueError, "costs must be \\[candidates\\] or \\[layers, candidates\\] = \\(2, 3\\), got \\(4,\\)"),
+    ("allocation.candidate_bits: context_tokens 0",
+     lambda: jflashloop.allocation.candidate_bits(
+         jflashloop.allocation.Candidate("int4", jflashloop.INT4_KEYS, jflashloop.INT4_VALUES),
+         num_kv_heads=1, head_dim=64, context_tokens=0),
+     ValueError, "context_tokens must be at least 1, got 0"),
+    ("allocation.policy_from_json: another version",
+     lambda: jflashloop.allocation.policy_from_json({"format": "jflashloop.layer_policy", "version": 9}),
+     ValueError, "layer policy version 9 is not supported \\(this library reads version 1\\)"),
+    ("allocation.policy_from_json: a layer's codec not a CodecSpec",
+     lambda: jflashloop.allocation.policy_from_json({
+         "format": "jflashloop.layer_policy", "version": 1, "name": "p", "sink_tokens": 4, "recent_tokens": 16,
+         "page_size": 64, "layers": [{"keys": {"format": "int4", "axis": "channel", "group_size": 0},
+                                      "values": {"format": "int4", "axis": "token", "group_size": 64}}]}),
+     ValueError, "layers\\[0\\].keys is not a valid CodecSpec: CodecSpec.group_size must be >= 1, got 0"),
 ]
 
 
