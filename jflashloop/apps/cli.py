@@ -1,4 +1,4 @@
-"""The ``jflashloop`` command line: ``demo``, ``codecs``, ``eval``, ``loops``.
+"""The ``jflashloop`` command line: ``demo``, ``codecs``, ``eval``, ``allocate``, ``loops``.
 
 ``jflashloop ARGS`` (the console script) and ``python -m jflashloop ARGS`` both
 run :func:`main`.
@@ -16,7 +16,7 @@ import numpy as np
 
 import jflashloop
 
-from . import demo, evaluation, loops
+from . import allocate, demo, evaluation, loops
 
 
 def _codec_demo(args) -> int:
@@ -73,6 +73,7 @@ def _delegate(command_main):
 # Commands that parse their own options (including --help).
 _DELEGATED = {
     "eval": (evaluation.main, "cache policies on SmolLM2's real KV (bench/QUALITY.md)"),
+    "allocate": (allocate.main, "per-layer formats for SmolLM2 under a bit budget (a policy JSON file)"),
     "loops": (loops.main, "the looped model on the cross-loop cache"),
 }
 

