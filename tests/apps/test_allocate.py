@@ -34,7 +34,7 @@ def test_layer_errors_rank_finer_groups_better_on_smollm2():
     from jflashloop.models import gguf_loader, llama
 
     params, config, tokenizer = gguf_loader.load_smollm2()
-    ids = tokenizer.encode(gguf_loader.read_data_text("calibration_text.txt")).ids[:96]
+    ids = tokenizer.encode(gguf_loader.read_data_text("calibration_text.txt")).ids[:64]
     keys, values, queries = llama.prefill(params, config, np.asarray(ids, np.int32))[1:]
     by_name = {c.name: c for c in allocate.candidates(config.head_dim)}
     chosen = [by_name["K int4/ch G16 + V int4/tok G16"], by_name[allocate.UNIFORM_NAME]]
