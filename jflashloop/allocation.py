@@ -113,7 +113,7 @@ def allocate(errors, costs, budget: float) -> np.ndarray:
     width = capacity + 1
     best = np.full(width, np.inf)
     best[0] = 0.0
-    picks = np.zeros((layers, width), np.int64)
+    picks = np.zeros((layers, width), np.int32)
     for layer in range(layers):
         options = np.full((candidates, width), np.inf)
         for c in range(candidates):
