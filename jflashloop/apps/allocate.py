@@ -25,7 +25,8 @@ another (``eval_text.txt``, the text of bench/QUALITY.md):
 The allocated policy is written as JSON (:func:`jflashloop.allocation.save_policy`;
 ``jflashloop.allocation.load_policy(path).cache_config(...)`` makes its cache).
 
-Usage: ``jflashloop allocate [--bits 4.53] [--context 32768] [--out policy.json] [--markdown F] [--plot F]``
+Usage: ``jflashloop allocate [--bits 4.53] [--context 32768] [--objective sum|squares] [--sensitivity F.npz]
+[--out policy.json] [--markdown F] [--plot F]``
 """
 
 from __future__ import annotations
@@ -80,14 +81,19 @@ def layer_errors(cands, keys, values, queries, *, sink_tokens: int, recent_token
     return np.stack(columns, axis=1)
 
 
-def lean_budget(errors, costs, target: float, ceiling: float, step: float = 1 / 64) -> float:
-    """The smallest budget (a multiple of ``step`` at most ``ceiling``) whose allocation's mean error is
-    at most ``target`` (``ceiling`` if none below it reaches it)."""
+OBJECTIVES = {"sum": 1, "squares": 2}
+"""``--objective``: the power of the per-layer errors whose sum the allocation minimizes (squares weigh the
+worst layers more)."""
+
+
+def lean_budget(errors, costs, target: float, ceiling: float, step: float = 1 / 64, power: int = 1) -> float:
+    """The smallest budget (a multiple of ``step`` at most ``ceiling``) whose allocation (of ``errors **
+    power``) has a mean error at most ``target`` (``ceiling`` if none below it reaches it)."""
     budget = ceiling
     candidate = np.floor(ceiling / step + 1e-9) * step
     while candidate > 0:
         try:
-            choice = allocation.allocate(errors, costs, candidate)
+            choice = allocation.allocate(errors ** power, costs, candidate)
         except ValueError:  # below the cheapest assignment
             break
         if errors[np.arange(len(choice)), choice].mean() > target:
@@ -103,9 +109,31 @@ def _summary(name, errors_held, choice, costs) -> dict:
             "worst": float(per_layer.max()), "per_layer": per_layer}
 
 
+def sensitivities(path, cands, tensors, *, tokens: int, sink_tokens: int, recent_tokens: int):
+    """``(calibration, held_out)`` errors ``[layers, candidates]``: read from the ``.npz`` at ``path`` when it
+    holds this study's candidates, tokens and windows, else measured (:func:`layer_errors`) and saved there."""
+    names = np.array([c.name for c in cands])
+    settings = np.array([tokens, sink_tokens, recent_tokens])
+    if path:
+        try:
+            with np.load(path) as stored:
+                if np.array_equal(stored["names"], names) and np.array_equal(stored["settings"], settings):
+                    return stored["calibration"], stored["held_out"]
+        except (OSError, KeyError, ValueError):
+            pass  # absent or another study's: measure
+    windows = dict(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
+    calibration = layer_errors(cands, *tensors["calibration_text.txt"], **windows, description="calibration")
+    held_out = layer_errors(cands, *tensors["eval_text.txt"], **windows, description="held-out")
+    if path:
+        np.savez(path, names=names, settings=settings, calibration=calibration, held_out=held_out)
+    return calibration, held_out
+
+
 def run(*, bits: float | None, context: int, tokens: int, prefix: int, sink_tokens: int, recent_tokens: int,
-        out: str | None, plot: str | None) -> tuple[list[dict], dict]:
+        out: str | None, plot: str | None, objective: str = "sum",
+        sensitivity: str | None = None) -> tuple[list[dict], dict]:
     """The whole study; returns (rows, context) for :func:`markdown_table`."""
+    power = OBJECTIVES[objective]
     params, config, tokenizer = gguf_loader.load_smollm2()
     texts = {name: tokenizer.encode(gguf_loader.read_data_text(name)).ids[:tokens]
              for name in ("calibration_text.txt", "eval_text.txt")}
@@ -115,15 +143,14 @@ def run(*, bits: float | None, context: int, tokens: int, prefix: int, sink_toke
                                                 context_tokens=context, sink_tokens=sink_tokens,
                                                 recent_tokens=recent_tokens) for c in cands])
     windows = dict(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
-    calibration = layer_errors(cands, *tensors["calibration_text.txt"], **windows, description="calibration")
-    held_out = layer_errors(cands, *tensors["eval_text.txt"], **windows, description="held-out")
+    calibration, held_out = sensitivities(sensitivity, cands, tensors, tokens=tokens, **windows)
     layers = calibration.shape[0]
     uniform = next(i for i, c in enumerate(cands) if c.name == UNIFORM_NAME)
     budget = costs[uniform] if bits is None else bits
-    choice = allocation.allocate(calibration, costs, budget)
+    choice = allocation.allocate(calibration ** power, costs, budget)
     target = calibration[:, uniform].mean()
-    lean = lean_budget(calibration, costs, target, budget)
-    lean_choice = allocation.allocate(calibration, costs, lean)
+    lean = lean_budget(calibration, costs, target, budget, power=power)
+    lean_choice = allocation.allocate(calibration ** power, costs, lean)
     policies = {
         "uniform": (f"uniform INT4 G64, windows {sink_tokens}/{recent_tokens}", np.full(layers, uniform)),
         "allocated": (f"allocated at {budget:.3f} bits", choice),
@@ -144,7 +171,8 @@ def run(*, bits: float | None, context: int, tokens: int, prefix: int, sink_toke
     metadata = {
         "budget_bits_per_element": float(budget), "context_tokens": context, "model": "SmolLM2-135M-Instruct",
         "calibration_text": "calibration_text.txt", "calibration_tokens": len(texts["calibration_text.txt"]),
-        "objective": "summed attention-output relative error over layers (model's queries, last 32 positions)",
+        "objective": f"summed attention-output relative error over layers, to the power {power} (model's "
+                     "queries, last 32 positions)",
         "calibration_mean_error": rows[1]["calibration_mean"],
         "choices": [cands[c].name for c in choice],
     }
@@ -208,10 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="jflashloop_policy.json", help="the allocated policy's JSON file")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     parser.add_argument("--plot", default="jflashloop_allocation.png", help="PNG of the error per layer")
+    parser.add_argument("--objective", choices=sorted(OBJECTIVES), default="sum",
+                        help="minimize the summed per-layer errors, or their squares (the worst layers weigh more)")
+    parser.add_argument("--sensitivity", default=None,
+                        help="an .npz caching the per-layer errors of every candidate (read if it matches, else "
+                             "written): other budgets and objectives without measuring again")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     rows, summary = run(bits=args.bits, context=args.context, tokens=args.tokens, prefix=args.prefix,
-                        sink_tokens=args.sink, recent_tokens=args.recent, out=args.out, plot=args.plot)
+                        sink_tokens=args.sink, recent_tokens=args.recent, out=args.out, plot=args.plot,
+                        objective=args.objective, sensitivity=args.sensitivity)
     table = markdown_table(rows, summary)
     print(table)
     print("\nallocated:", ", ".join(f"{i}: {name}" for i, name in enumerate(summary["choices"])))

@@ -41,3 +41,33 @@ def test_layer_errors_rank_finer_groups_better_on_smollm2():
     errors = allocate.layer_errors(chosen, keys, values, queries, sink_tokens=4, recent_tokens=16)
     assert errors.shape == (config.num_layers, 2) and np.all(np.isfinite(errors)) and np.all(errors > 0)
     assert errors[:, 0].mean() < errors[:, 1].mean()
+
+
+def test_sensitivities_are_measured_once_and_read_back(tmp_path, monkeypatch):
+    cands = allocate.candidates(64)[:3]
+    measured = []
+
+    def fake_layer_errors(chosen, keys, values, queries, *, sink_tokens, recent_tokens, description):
+        measured.append(description)
+        return np.full((2, len(chosen)), 0.1 * len(measured))
+
+    monkeypatch.setattr(allocate, "layer_errors", fake_layer_errors)
+    tensors = {"calibration_text.txt": (None, None, None), "eval_text.txt": (None, None, None)}
+    path = str(tmp_path / "sensitivity.npz")
+    first = allocate.sensitivities(path, cands, tensors, tokens=64, sink_tokens=4, recent_tokens=16)
+    again = allocate.sensitivities(path, cands, tensors, tokens=64, sink_tokens=4, recent_tokens=16)
+    assert measured == ["calibration", "held-out"]
+    np.testing.assert_array_equal(first[0], again[0])
+    np.testing.assert_array_equal(first[1], again[1])
+    allocate.sensitivities(path, cands, tensors, tokens=128, sink_tokens=4, recent_tokens=16)  # another study
+    assert measured == ["calibration", "held-out", "calibration", "held-out"]
+
+
+def test_the_squares_objective_spends_bits_on_the_worst_layer():
+    # Candidate 0: 4 bits; candidate 1: 2 bits; bits for one layer at 4. The sum keeps them at layer 0
+    # (1.0 against 1.1); the squares give them to layer 1, which would otherwise end worst (0.65 against 0.82).
+    errors = np.array([[0.1, 0.7], [0.4, 0.9]])
+    costs = np.array([4.0, 2.0])
+    assert allocation.allocate(errors, costs, 3.0).tolist() == [0, 1]  # sum: 1.0 against 1.1
+    assert allocation.allocate(errors ** 2, costs, 3.0).tolist() == [1, 0]  # squares: 0.65 against 0.82
+    assert allocate.lean_budget(errors, costs, target=0.55, ceiling=4.0, step=1.0, power=2) == 3.0
