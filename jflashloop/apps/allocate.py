@@ -130,7 +130,7 @@ def sensitivities(path, cands, tensors, *, tokens: int, sink_tokens: int, recent
 
 
 def run(*, bits: float | None, context: int, tokens: int, prefix: int, sink_tokens: int, recent_tokens: int,
-        out: str | None, plot: str | None, objective: str = "sum",
+        out: str | None, plot: str | None, objective: str = "squares",
         sensitivity: str | None = None) -> tuple[list[dict], dict]:
     """The whole study; returns (rows, context) for :func:`markdown_table`."""
     power = OBJECTIVES[objective]
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="jflashloop_policy.json", help="the allocated policy's JSON file")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     parser.add_argument("--plot", default="jflashloop_allocation.png", help="PNG of the error per layer")
-    parser.add_argument("--objective", choices=sorted(OBJECTIVES), default="sum",
+    parser.add_argument("--objective", choices=sorted(OBJECTIVES), default="squares",
                         help="minimize the summed per-layer errors, or their squares (the worst layers weigh more)")
     parser.add_argument("--sensitivity", default=None,
                         help="an .npz caching the per-layer errors of every candidate (read if it matches, else "
