@@ -10,8 +10,9 @@ another (``eval_text.txt``, the text of bench/QUALITY.md):
    independent in the cache, so a per-layer policy's error at layer ``l`` is
    that of its layer-``l`` candidate).
 2. **Allocation**: :func:`jflashloop.allocation.allocate` picks one candidate
-   per layer minimizing the summed calibration error with the mean cost at most
-   ``--bits``, each candidate priced at the bits per element one sequence of
+   per layer minimizing the summed squared calibration errors (``--objective
+   squares``, the default: the worst layers weigh more; ``sum``: the plain
+   sum) with the mean cost at most ``--bits``, each candidate priced at the bits per element one sequence of
    ``--context`` tokens stores (windows included,
    :func:`jflashloop.allocation.candidate_bits`). The default budget is the
    uniform INT4 G64 policy's cost. It also finds the smallest budget (in steps
