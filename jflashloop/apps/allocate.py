@@ -133,7 +133,7 @@ def sensitivities(path, cands, tensors, *, tokens: int, sink_tokens: int, recent
 def run(*, bits: float | None, context: int, tokens: int, prefix: int, sink_tokens: int, recent_tokens: int,
         out: str | None, plot: str | None, objective: str = "squares",
         sensitivity: str | None = None) -> tuple[list[dict], dict]:
-    """The whole study; returns (rows, context) for :func:`markdown_table`."""
+    """The whole study; returns (rows, summary) for :func:`markdown_table`."""
     power = OBJECTIVES[objective]
     params, config, tokenizer = gguf_loader.load_smollm2()
     texts = {name: tokenizer.encode(gguf_loader.read_data_text(name)).ids[:tokens]

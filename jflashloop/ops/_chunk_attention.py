@@ -157,6 +157,17 @@ def _reference(queries, cache, layer, loop, keys, values, counts, *, scale):
 DENSE_KEY_MULTIPLE = 128  # key positions padded (masked) to a multiple of this: cuDNN's flash kernels need it
 
 
+def _flash_attention(*arguments, **options):
+    """``jax.nn.dot_product_attention``: cuDNN's flash attention on a GPU where it takes the call (shapes,
+    dtypes), else jax's own choice."""
+    if _dispatch.on_gpu():
+        try:
+            return jax.nn.dot_product_attention(*arguments, implementation="cudnn", **options)
+        except (NotImplementedError, ValueError, RuntimeError):
+            pass
+    return jax.nn.dot_product_attention(*arguments, **options)
+
+
 def _dense(queries, cache, layer, loop, keys, values, counts, *, scale):
     """The cached positions decoded to bfloat16, then ``jax.nn.dot_product_attention`` (cuDNN's flash
     attention on a GPU; the key axis padded with masked positions to a multiple of
@@ -168,15 +179,7 @@ def _dense(queries, cache, layer, loop, keys, values, counts, *, scale):
     extra = -all_k.shape[1] % DENSE_KEY_MULTIPLE
     all_k, all_v = (jnp.pad(x.astype(jnp.bfloat16), ((0, 0), (0, extra), (0, 0), (0, 0))) for x in (all_k, all_v))
     mask = jnp.pad(valid, ((0, 0), (0, 0), (0, extra)))[:, None]  # [S, 1, C, T + C + extra]
-    arguments = (queries.astype(jnp.bfloat16), all_k, all_v)
-    out = None
-    if _dispatch.on_gpu():
-        try:  # cuDNN's flash attention where it takes the call (shapes, dtypes), else jax's own choice
-            out = jax.nn.dot_product_attention(*arguments, mask=mask, scale=scale, implementation="cudnn")
-        except (NotImplementedError, ValueError, RuntimeError):
-            out = None
-    if out is None:
-        out = jax.nn.dot_product_attention(*arguments, mask=mask, scale=scale)
+    out = _flash_attention(queries.astype(jnp.bfloat16), all_k, all_v, mask=mask, scale=scale)
     return jnp.where(jnp.any(valid, axis=-1)[:, :, None, None], out.astype(jnp.float32), 0.0)
 
 
