@@ -53,7 +53,7 @@ class Candidate:
 
 
 def candidate_bits(candidate: Candidate, *, num_kv_heads: int, head_dim: int, context_tokens: int,
-                   sink_tokens: int = Policy.sink_tokens, recent_tokens: int = Policy.recent_tokens,
+                   sink_tokens: int = Policy.sink_tokens, recent_tokens: int | None = Policy.recent_tokens,
                    page_size: int = Policy.page_size) -> float:
     """Bits per K/V element of one layer of one sequence of ``context_tokens`` tokens, windows included.
 
@@ -131,7 +131,7 @@ def allocate(errors, costs, budget: float) -> np.ndarray:
 
 
 def policy_for(name: str, candidates: Sequence[Candidate], choice: Sequence[int], *,
-               sink_tokens: int = Policy.sink_tokens, recent_tokens: int = Policy.recent_tokens,
+               sink_tokens: int = Policy.sink_tokens, recent_tokens: int | None = Policy.recent_tokens,
                page_size: int = Policy.page_size) -> Policy:
     """The :class:`~jflashloop.Policy` giving layer ``l`` the codecs of ``candidates[choice[l]]``."""
     specs = tuple((candidates[c].key_spec, candidates[c].value_spec) for c in choice)

@@ -48,3 +48,31 @@ def test_bits_per_element_is_the_storage_figure(key_spec, value_spec, kv_heads):
 def test_a_layout_the_cache_rejects_raises():
     with pytest.raises(ValueError, match="must divide the page size"):
         Policy("bad", page_size=32).cache_config(num_layers=1, num_kv_heads=1, head_dim=64, max_tokens=64)
+
+
+def test_the_defaults_are_the_recommended_layout():
+    """bench/QUALITY.md's recommendation: INT4 G64 (K per channel, V per token), 64-token pages, 4 sink
+    tokens and the 64 most recent ones unquantized, at no memory beyond the ring a page needs."""
+    config = CacheConfig(num_layers=1, num_kv_heads=2, head_dim=64, num_pages=1, max_sequences=1,
+                         max_pages_per_sequence=1)
+    assert config.loops == (LoopStorage(jflashloop.INT4_KEYS, jflashloop.INT4_VALUES),)
+    assert (config.page_size, config.sink_tokens, config.recent_tokens) == (64, 4, 64)
+    assert config.window_tokens == config.page_size
+    assert Policy("default").recent_tokens == 64
+    assert jflashloop.CacheConfig.flashloop(num_layers=1, num_kv_heads=2, head_dim=64, num_pages=1, max_sequences=1,
+                                            max_pages_per_sequence=1).recent_tokens == 64
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+def test_the_recent_window_defaults_to_one_page(page_size):
+    key_spec = jflashloop.CodecSpec("int4", "channel", min(64, page_size))
+    config = Policy("p", key_spec, page_size=page_size).cache_config(num_layers=1, num_kv_heads=1, head_dim=64,
+                                                                     max_tokens=page_size)
+    assert config.recent_tokens == page_size == config.window_tokens
+    explicit = CacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, num_pages=1, max_sequences=1,
+                           max_pages_per_sequence=1, loops=(LoopStorage(key_spec),), page_size=page_size,
+                           recent_tokens=16)
+    assert explicit.recent_tokens == 16
+    with pytest.raises(TypeError, match="recent_tokens must be an int"):
+        CacheConfig(num_layers=1, num_kv_heads=1, head_dim=64, num_pages=1, max_sequences=1,
+                    max_pages_per_sequence=1, recent_tokens=16.0)

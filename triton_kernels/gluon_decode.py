@@ -1381,9 +1381,13 @@ def int4_pages_kernel_v2(
                                           B_OP, KW4)
             scores = _fold_rows(both, CHUNK)  # [8, CHUNK]
             start_token = (first + step) * PAGE + c * CHUNK
-            valid = gl.expand_dims((start_token + tokens >= SINK) & (start_token + tokens < packed_end)
-                                   & current_live, 0)
-            scores = gl.where(valid, scores, MASK_VALUE)
+            # Masks only where a chunk holds a token outside the packed region (the sink's tokens,
+            # those past ``packed_end``, a lost page): a uniform branch. Masked scores sit
+            # ``MASK_VALUE`` below the running maximum's start, so their weights are exactly 0.
+            if (start_token < SINK) | (start_token + CHUNK > packed_end) | (not current_live):
+                valid = gl.expand_dims((start_token + tokens >= SINK) & (start_token + tokens < packed_end)
+                                       & current_live, 0)
+                scores = gl.where(valid, scores, 2 * MASK_VALUE)
             row_max = gl.max(scores, axis=1)
             # LAZY: the running maximum moves only when a row's maximum grows by more than RESCALE_LOG2
             # (weights then stay below 2**RESCALE_LOG2; sums, outputs and the partials' maximum all
@@ -1394,7 +1398,6 @@ def int4_pages_kernel_v2(
             else:
                 sums, acc, run_max = _rescale(sums, acc, run_max, row_max, MMA)
             weights = gl.exp2(scores - gl.expand_dims(run_max, 1))
-            weights = gl.where(valid, weights, 0.0)
             sums = sums + _lane_sums(weights, CHUNK)
             p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
             acc = _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP,

@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=512, help="tokens of each text")
     parser.add_argument("--prefix", type=int, default=128, help="tokens prefilled before teacher forcing")
     parser.add_argument("--sink", type=int, default=Policy.sink_tokens)
-    parser.add_argument("--recent", type=int, default=Policy.recent_tokens)
+    parser.add_argument("--recent", type=int, default=Policy.page_size,
+                        help="recent tokens kept unquantized (default: one page, the library's default)")
     parser.add_argument("--out", default="jflashloop_policy.json", help="the allocated policy's JSON file")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     parser.add_argument("--plot", default="jflashloop_allocation.png", help="PNG of the error per layer")

@@ -52,6 +52,11 @@ def _check_int(name: str, value) -> None:
 class CacheConfig:
     """Shapes and policy of a :class:`~jflashloop.PagedKVCache` (static under jit).
 
+    The defaults are the recommended layout (measured in ``bench/QUALITY.md``):
+    INT4 G64 (K per channel over a page's 64 tokens, V per token over 64
+    channels, 4.5 bits per element), 64-token pages, the first 4 tokens and
+    the 64 most recent ones unquantized.
+
     Attributes:
       num_layers, num_kv_heads, head_dim: model shape.
       num_pages: pages in the shared pool (per layer, same ids in every layer).
@@ -63,7 +68,12 @@ class CacheConfig:
       page_size: tokens per page (16, 32, 64 or 128). Every quantization group
         lies inside one page: channel-axis K groups must divide the page size.
       sink_tokens: first tokens of each sequence kept in ``window_dtype``.
-      recent_tokens: most recent tokens of each sequence kept in ``window_dtype``.
+      recent_tokens: most recent tokens of each sequence kept in ``window_dtype``;
+        None (the default) means one page (``page_size`` tokens): the ring
+        holds the page being filled anyway, so a recent window of one page
+        costs no memory. The field holds the resolved int after
+        construction (``dataclasses.replace`` keeps it: pass
+        ``recent_tokens=None`` with a new ``page_size`` to follow it).
       window_dtype: dtype of the unquantized windows (``"bfloat16"``).
       layer_loops: None (every layer stores its loops as ``loops``: the
         uniform policy), or one tuple of :class:`LoopStorage` per layer, each
@@ -87,11 +97,14 @@ class CacheConfig:
     loops: tuple[LoopStorage, ...] = (LoopStorage(),)
     page_size: int = 64
     sink_tokens: int = 4
-    recent_tokens: int = 16
+    recent_tokens: int | None = None
     window_dtype: str = "bfloat16"
     layer_loops: tuple[tuple[LoopStorage, ...], ...] | None = None
 
     def __post_init__(self):
+        if self.recent_tokens is None:
+            _check_int("CacheConfig.page_size", self.page_size)
+            object.__setattr__(self, "recent_tokens", self.page_size)
         for name in ("num_layers", "num_kv_heads", "head_dim", "num_pages", "max_sequences",
                      "max_pages_per_sequence", "page_size", "sink_tokens", "recent_tokens"):
             _check_int(f"CacheConfig.{name}", getattr(self, name))
@@ -286,17 +299,22 @@ class Policy:
         ``(key_spec, value_spec)`` pair per layer of the model
         (``CacheConfig.layer_loops``).
 
-    The defaults are :class:`CacheConfig`'s (INT4 G64, K per channel, V per
-    token, 4 sink and 16 recent tokens, 64-token pages).
+    The defaults are :class:`CacheConfig`'s (its recommended layout: INT4 G64,
+    K per channel, V per token, 64-token pages, 4 sink tokens and a recent
+    window of one page); ``recent_tokens=None`` is resolved to ``page_size``.
     """
 
     name: str
     key_spec: CodecSpec = LoopStorage.key_spec
     value_spec: CodecSpec = LoopStorage.value_spec
     sink_tokens: int = CacheConfig.sink_tokens
-    recent_tokens: int = CacheConfig.recent_tokens
+    recent_tokens: int | None = CacheConfig.recent_tokens
     page_size: int = CacheConfig.page_size
     layer_specs: tuple[tuple[CodecSpec, CodecSpec], ...] | None = None
+
+    def __post_init__(self):
+        if self.recent_tokens is None:
+            object.__setattr__(self, "recent_tokens", self.page_size)
 
     def cache_config(
         self, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int, max_sequences: int = 1

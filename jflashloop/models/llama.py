@@ -112,6 +112,52 @@ class LlamaConfig:
         )
 
 
+def init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Random parameters of ``config``'s shapes, in the layout of
+    :func:`jflashloop.models.gguf_loader.load_params` (for speed measurements
+    and tests: a decode step's cost depends on the shapes only).
+
+    Projections are ``normal(0, 1 / sqrt(fan_in))`` (``[in, out]``), the
+    (tied) token embedding ``normal(0, 1 / sqrt(hidden))``, every RMSNorm
+    gain one.
+
+    Args:
+        config: the model configuration.
+        key: a ``jax.random`` key.
+        dtype: dtype of every array.
+
+    Returns:
+        the params pytree.
+    """
+    hidden, mlp = config.hidden_size, config.intermediate_size
+    query_width = config.num_query_heads * config.head_dim
+    key_value_width = config.num_key_value_heads * config.head_dim
+    embedding_key, *layer_keys = jax.random.split(key, 1 + config.num_layers)
+
+    def normal(key, shape, fan_in):
+        return (jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+
+    def one_layer(layer_key):
+        keys = jax.random.split(layer_key, 7)
+        return {
+            "attention_norm": jnp.ones((hidden,), dtype),
+            "query": normal(keys[0], (hidden, query_width), hidden),
+            "key": normal(keys[1], (hidden, key_value_width), hidden),
+            "value": normal(keys[2], (hidden, key_value_width), hidden),
+            "attention_output": normal(keys[3], (query_width, hidden), query_width),
+            "mlp_norm": jnp.ones((hidden,), dtype),
+            "gate": normal(keys[4], (hidden, mlp), hidden),
+            "up": normal(keys[5], (hidden, mlp), hidden),
+            "down": normal(keys[6], (mlp, hidden), mlp),
+        }
+
+    return {
+        "token_embedding": normal(embedding_key, (config.vocab_size, hidden), hidden),
+        "output_norm": jnp.ones((hidden,), dtype),
+        "layers": [one_layer(layer_key) for layer_key in layer_keys],
+    }
+
+
 # --------------------------------------------------------------------------
 # Building blocks
 # --------------------------------------------------------------------------
