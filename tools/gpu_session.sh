@@ -53,7 +53,7 @@ for stage in "$@"; do
     gluonbench) run_stage gluonbench "${BENCH_LIMIT:-280}" python3 bench/kernel_formulations.py --device-time \
              --shapes "${BENCH_SHAPES:-0,1,2,3,4,5}" \
              --names "${BENCH_NAMES:-pallas,public,gluon2-s2w-mx,gluon2-s2w-mg,gluon2-s2w-mx-n1,gluon2-s2w-x}" ;;
-    gluonformats) for spec in nvfp4:1 int4_rotated:1 int4:2 int4:4; do
+    gluonformats) for spec in ${FORMATS_SPECS:-nvfp4:1 int4_rotated:1 int4:2 int4:4}; do
                run_stage "formats-${spec/:/-loop}" 120 python3 bench/kernel_formulations.py --device-time --shapes 0,1 \
                  --value-format "${spec%%:*}" --loops "${spec##*:}" --names "${FORMATS_NAMES:-pallas,gluon2-s2w,gluon2-s2w-m}"
              done ;;
