@@ -9,10 +9,21 @@ These hooks write the new token's K/V into the cache's unquantized ring
 (``write_token``), attend with :func:`jflashloop.decode_attention` (the fused
 kernel on GPU, the reference path elsewhere) and, after the last call of the
 step, ``commit`` the token (which packs pages that became full).
+
+With ``commit=False`` a hook leaves the commit to its caller, who runs
+:func:`commit_pending` at the start of the next step instead, before any
+attention reads the pool (:mod:`jflashloop.models.serving_loop` does). Under
+``jit`` this ordering matters: when attention reads a page pool and the
+commit, a conditional that may pack a page into that same pool, follows in
+one computation, XLA copies the whole pool to keep the read safe (measured
+on the CPU: a step's time grew with the pool's size, 1 ms to 27 ms from 1 to
+144 MiB), while a commit that comes first hands the attention its result and
+copies nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,7 +33,8 @@ from ..paged_cache import PagedKVCache
 
 
 @functools.cache
-def paged_attention_hook(num_layers: int, implementation: str | None = None, kernel_config=None):
+def paged_attention_hook(num_layers: int, implementation: str | None = None, kernel_config=None, *,
+                         commit: bool = True):
     """A hook ``(layer, q, k_new, v_new, cache) -> (out, cache)`` for one-loop models.
 
     The same function object is returned for the same arguments, so a jitted
@@ -32,6 +44,8 @@ def paged_attention_hook(num_layers: int, implementation: str | None = None, ker
       num_layers: the model's layer count (the token is committed after the last).
       implementation: passed to :func:`jflashloop.decode_attention`.
       kernel_config: passed to :func:`jflashloop.decode_attention`.
+      commit: commit the token after the last layer; False leaves it pending
+        (the caller runs :func:`commit_pending` before the next step).
     """
 
     def hook(layer_index, queries, new_keys, new_values, cache: PagedKVCache):
@@ -41,7 +55,7 @@ def paged_attention_hook(num_layers: int, implementation: str | None = None, ker
             queries, cache, layer_index, 0, include_pending=True,
             implementation=implementation, kernel_config=kernel_config,
         )
-        if layer_index == num_layers - 1:
+        if commit and layer_index == num_layers - 1:
             cache = paged_cache.commit(cache)
         return out, cache
 
@@ -50,12 +64,14 @@ def paged_attention_hook(num_layers: int, implementation: str | None = None, ker
 
 @functools.cache
 def looped_paged_attention_hook(
-    num_layers: int, num_loops: int, implementation: str | None = None, kernel_config=None
+    num_layers: int, num_loops: int, implementation: str | None = None, kernel_config=None, *,
+    commit: bool = True,
 ):
     """A hook ``(loop, layer, q, k_new, v_new, cache) -> (out, cache)`` for looped models.
 
     Loop ``r`` of layer ``l`` attends over the cache's loop-``r`` K/V (base plus
-    residuals); the token is committed after the last (loop, layer) call.
+    residuals); the token is committed after the last (loop, layer) call
+    (``commit=False``: left pending, as for :func:`paged_attention_hook`).
     """
 
     def hook(loop_index, layer_index, queries, new_keys, new_values, cache: PagedKVCache):
@@ -64,11 +80,22 @@ def looped_paged_attention_hook(
             queries, cache, layer_index, loop_index, include_pending=True,
             implementation=implementation, kernel_config=kernel_config,
         )
-        if loop_index == num_loops - 1 and layer_index == num_layers - 1:
+        if commit and loop_index == num_loops - 1 and layer_index == num_layers - 1:
             cache = paged_cache.commit(cache)
         return out, cache
 
     return hook
+
+
+def commit_pending(cache: PagedKVCache, pending: jax.Array) -> PagedKVCache:
+    """``paged_cache.commit(cache)`` where ``pending`` (bool scalar, may be traced) holds, else ``cache``.
+
+    No conditional takes the pool: the commit runs on the cache with
+    ``active`` masked by ``pending`` (then it counts no token and packs no
+    page) and ``active`` is restored, so under ``jit`` nothing is copied.
+    """
+    masked = dataclasses.replace(cache, active=cache.active & pending)
+    return dataclasses.replace(paged_cache.commit(masked), active=cache.active)
 
 
 @functools.cache
