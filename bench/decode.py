@@ -85,9 +85,10 @@ def random_cache(config: CacheConfig, tokens: int, seed: int, *, shared: bool = 
     """A cache whose every sequence holds ``tokens`` tokens of random, valid data.
 
     ``shared``: every sequence holds the same pages (as after ``paged_cache.fork`` of one prompt).
+    Every array is made once (the empty cache is only traced), so the peak memory is the cache's own.
     """
     key = jax.random.key(seed)
-    cache = paged_cache.create(config)
+    cache = jax.eval_shape(lambda: paged_cache.create(config))
     pages_per_sequence = tokens // config.page_size
     key, permutation_key = jax.random.split(key)
     order = jax.random.permutation(permutation_key, config.num_pages).astype(jnp.int32)
@@ -126,6 +127,9 @@ def random_cache(config: CacheConfig, tokens: int, seed: int, *, shared: bool = 
         lengths=jnp.full((config.max_sequences,), tokens, jnp.int32),
         active=jnp.ones((config.max_sequences,), bool),
         page_refs=page_refs,
+        error_flags=jnp.zeros((config.max_sequences,), jnp.int32),
+        nonfinite_counts=jnp.zeros((config.max_sequences,), jnp.int32),
+        saturation_counts=jnp.zeros((config.max_sequences,), jnp.int32),
     )
 
 
