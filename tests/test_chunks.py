@@ -270,30 +270,35 @@ def test_gluon_chunk_path_matches_the_reference(rng, chunk, q_heads, loop):
     assert not np.asarray(actual)[2, max(chunk - 1, 0):].any()
 
 
-def test_the_automatic_choice_on_a_gpu_tries_gluon_then_dense(rng, monkeypatch):
-    """On a GPU the Gluon path goes first; where it cannot serve the call (large chunks), the dense
-    path (cuDNN's flash attention over the decoded cache)."""
+@pytest.mark.parametrize("chunk, fallback", [(3, "xla"), (9, "dense")])
+def test_the_automatic_choice_on_a_gpu_tries_gluon_then_its_fallback(rng, monkeypatch, chunk, fallback):
+    """On a GPU the Gluon path goes first; where it cannot serve the call, the dense path (cuDNN's
+    flash attention over the bfloat16-decoded cache) for chunks of more than 32 query rows per KV
+    head, the float32 reference path for smaller ones."""
     from jflashloop.ops import _chunk_attention, _dispatch
 
     config = small_config(page_size=16, num_pages=64)
     cache, _ = build(rng, config, prompt_lengths=[30, 12, 50], steps=0)
-    queries, keys, values = _chunk(rng, config, 3)
-    counts = jnp.full((3,), 3, jnp.int32)
+    queries, keys, values = _chunk(rng, config, chunk, q_heads=4 * config.num_kv_heads)  # 4 rows per token
+    counts = jnp.full((3,), chunk, jnp.int32)
     expected = jflashloop.chunk_attention(queries, cache, 0, 0, keys[0, 0], values[0, 0], counts, implementation="xla")
     tried = []
-    dense = _chunk_attention._dense
+    originals = {name: getattr(_chunk_attention, name) for name in ("_dense", "_reference")}
 
     def recorded(*args, **kwargs):  # as the Gluon path does where it cannot serve the call
         tried.append("gluon")
         raise NotImplementedError("not here")
 
-    def recorded_dense(*args, **kwargs):
-        tried.append("dense")
-        return dense(*args, **kwargs)
+    def recording(name, label):
+        def call(*args, **kwargs):
+            tried.append(label)
+            return originals[name](*args, **kwargs)
+        return call
 
     monkeypatch.setattr(_chunk_attention, "_gluon", recorded)
-    monkeypatch.setattr(_chunk_attention, "_dense", recorded_dense)
+    monkeypatch.setattr(_chunk_attention, "_dense", recording("_dense", "dense"))
+    monkeypatch.setattr(_chunk_attention, "_reference", recording("_reference", "xla"))
     monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
     actual = jflashloop.chunk_attention(queries, cache, 0, 0, keys[0, 0], values[0, 0], counts)
-    assert tried == ["gluon", "dense"]
-    assert (_relative(actual, expected) < 2e-2).all(), _relative(actual, expected)
+    assert tried == ["gluon", fallback]
+    assert (_relative(actual, expected) < (2e-2 if fallback == "dense" else 1e-6)).all(), _relative(actual, expected)

@@ -41,6 +41,7 @@ from ._decode_attention import (
 )
 
 BACKENDS = ("xla", "gluon", "dense")
+GLUON_ROWS = 4 * gluon_decode.ROWS  # query rows (chunk x GQA group) per KV head that the Gluon path serves
 LOG2_E = math.log2(math.e)
 
 
@@ -202,7 +203,7 @@ def _gluon(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, co
     if not emulate:
         check_gluon_runs(interpret)
     plan = kernel_plan(c.layer(layer), loop)
-    reason = gluon_decode.unsupported_reason(plan.loops, head_dim, c.page_size, rows, rows=4 * gluon_decode.ROWS)
+    reason = gluon_decode.unsupported_reason(plan.loops, head_dim, c.page_size, rows, rows=GLUON_ROWS)
     if reason:
         raise NotImplementedError(f"{reason} (chunk x GQA group query rows per KV head)")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -257,7 +258,9 @@ def chunk_attention(queries, cache: PagedKVCache, layer: int, loop: int, keys, v
 
     Args:
       implementation: ``None`` (automatic: on a GPU ``"gluon"`` where it
-        can serve the call, else ``"dense"``; ``"xla"`` elsewhere), ``"xla"``
+        can serve the call, else ``"dense"`` for chunks of more than 32
+        query rows per KV head and ``"xla"`` for smaller ones; ``"xla"``
+        elsewhere), ``"xla"``
         (the reference path), ``"gluon"`` (GPU with ``jax_triton``: the
         Gluon decode kernel reads the packed pages for up to 32 query rows
         (chunk x GQA group) per KV head, in blocks of 8, and the chunk's own
@@ -283,5 +286,15 @@ def chunk_attention(queries, cache: PagedKVCache, layer: int, loop: int, keys, v
                                        interpret=chosen.interpret),
         "dense": lambda chosen: _dense(queries, cache, layer, loop, keys, values, counts, scale=scale),
     }
-    automatic = ("gluon", "dense") if _dispatch.on_gpu() else ("xla",)
-    return _dispatch.call(implementation, backends, automatic=automatic)
+    return _dispatch.call(implementation, backends, automatic=_automatic(queries, cache))
+
+
+def _automatic(queries, cache: PagedKVCache) -> tuple[str, ...]:
+    """The automatic choice, in order: on a GPU the Gluon kernel, then, for chunks of more query rows
+    per KV head than it serves (compute-bound: chunked prefill), the bfloat16 dense path, else the
+    float32 reference path (its accuracy: a small chunk that the kernel cannot serve)."""
+    if not _dispatch.on_gpu():
+        return ("xla",)
+    _, chunk, q_heads, _ = queries.shape
+    rows = chunk * (q_heads // cache.config.num_kv_heads)
+    return ("gluon", "dense" if rows > GLUON_ROWS else "xla")
