@@ -61,7 +61,7 @@ for stage in "$@"; do
              run_stage ncugluon 150 ncu --clock-control none -k regex:int4_pages \
              --launch-count "$(echo "$profiled" | tr ',' '\n' | wc -l)" \
              --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
-             --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+             --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats ${NCU_EXTRA:-} \
              --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed.sum${NCU_METRICS:+,$NCU_METRICS} \
              python3 bench/kernel_formulations.py --profile "$profiled" --shape 0 ;;
     ncuwhole) run_stage ncuwhole 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
