@@ -166,6 +166,9 @@ def main() -> int:
                         help="every sequence reads the same pages (a forked prompt); bytes counted per sequence")
     parser.add_argument("--device-time", action="store_true",
                         help="time calls inside one jitted function (no Python dispatch per call)")
+    parser.add_argument("--repeats", type=int, default=12,
+                        help="calls per jitted function with --device-time (the function's own launch and "
+                             "synchronization are shared by them)")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print("needs a CUDA GPU", file=sys.stderr)
@@ -190,7 +193,8 @@ def main() -> int:
         return 0
     bandwidth = bench.copy_bandwidth()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; plain copy {bandwidth:.2f} TB/s; "
-          f"{args.value_format} loop {args.loops}{'; every sequence on the same pages' if args.shared else ''}", flush=True)
+          f"{args.value_format} loop {args.loops}{'; every sequence on the same pages' if args.shared else ''}"
+          f"{f'; {args.repeats} calls per jitted function' if args.device_time else ''}", flush=True)
     print("| shape | formulation | ms | TB/s on bytes read | % of copy | x cuDNN BF16 | max rel. error |")
     print("|---|---|---|---|---|---|---|")
     for index in (int(i) for i in args.shapes.split(",")):
@@ -199,7 +203,8 @@ def main() -> int:
         sets = [bench.bf16_inputs(sequences, q_heads, kv_heads, tokens, i, head_dim)
                 for i in range(bench.copies_for(bf16_bytes))]
         if args.device_time:
-            cudnn_ms = device_ms(lambda q, k, v: bench.cudnn_attention(q, k, v), sets[0][0], [s[1:] for s in sets])
+            cudnn_ms = device_ms(lambda q, k, v: bench.cudnn_attention(q, k, v), sets[0][0], [s[1:] for s in sets],
+                                 args.repeats)
         else:
             cudnn_ms = bench.median_ms(bench.cudnn_attention, sets)
         del sets
@@ -218,7 +223,7 @@ def main() -> int:
                 try:
                     run = formulation(fname, loop=loop, pages_only=pages_only)
                     if args.device_time:
-                        ms = device_ms(run, queries, [(c,) for c in caches])
+                        ms = device_ms(run, queries, [(c,) for c in caches], args.repeats)
                     else:
                         ms = bench.median_ms(run, [(queries, c) for c in caches])
                     error = "" if pages_only or fname.endswith("-k") else (
