@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, compiled tests, kernel sweep, benchmarks.
 # Usage (from the repository root, on the device machine):
-#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole overhead overheadffi chunks shared gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep sharded quick bench codecs train demo
+#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole overhead overheadffi chunks shared gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep sharded quick bench codecs train demo e2e
 # Logs go to $OUT (or ./out); a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -77,6 +77,9 @@ for stage in "$@"; do
     codecs) run_stage codecs 60 python3 bench/codec_speed.py ;;
     train) run_stage train 420 python3 bench/train_ouro.py --out "$OUT/ouro_tiny.npz" ;;
     demo) run_stage demo 200 python3 -m jflashloop demo ;;
+    e2e) run_stage e2e "${E2E_LIMIT:-540}" env XLA_PYTHON_CLIENT_MEM_FRACTION="${E2E_MEM_FRACTION:-0.94}" \
+             python3 bench/end_to_end.py --out "$OUT/E2E.md" --plot "$OUT/e2e.png" --trace "$OUT/trace" \
+             --time-budget "${E2E_BUDGET:-360}" ${E2E_ARGS:-} ;;
     *) summary+=("unknown stage $stage") ;;
   esac
 done

@@ -174,12 +174,32 @@ def _write(array: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
     return array.at[rows, slots].set(new.astype(array.dtype), mode="drop")
 
 
+def write_token(
+    cache: DenseLayerKVCache, loop: int, layer: int, new_keys: jax.Array, new_values: jax.Array
+) -> DenseLayerKVCache:
+    """Store the new token of (``loop``, ``layer``) at slot ``lengths[b]``; after the last (loop,
+    layer) ``lengths`` grows by one.
+
+    Args:
+      loop, layer: Python ints.
+      new_keys, new_values: ``[B, kv_heads, head_dim]`` (rounded to the cache dtype).
+    """
+    keys = [list(row) for row in cache.keys]
+    values = [list(row) for row in cache.values]
+    keys[loop][layer] = _write(keys[loop][layer], cache.lengths, new_keys)
+    values[loop][layer] = _write(values[loop][layer], cache.lengths, new_values)
+    is_last = loop == cache.loops - 1 and layer == cache.layers - 1
+    return DenseLayerKVCache(
+        keys=tuple(tuple(row) for row in keys), values=tuple(tuple(row) for row in values),
+        lengths=cache.lengths + 1 if is_last else cache.lengths,
+    )
+
+
 def write_and_attend(
     cache: DenseLayerKVCache, loop: int, layer: int, queries: jax.Array, new_keys: jax.Array,
     new_values: jax.Array, *, implementation: str | None = None,
 ) -> tuple[jax.Array, DenseLayerKVCache]:
-    """Store the new token of (``loop``, ``layer``) at slot ``lengths[b]``, then :func:`attend` over
-    ``lengths + 1`` positions; ``lengths`` grows after the last (loop, layer).
+    """:func:`write_token`, then :func:`attend` over the ``lengths + 1`` positions that include it.
 
     Args:
       loop, layer: Python ints.
@@ -189,17 +209,10 @@ def write_and_attend(
     Returns:
       ``(out, cache)``: float32 ``[B, q_heads, head_dim]`` and the updated cache.
     """
-    keys = [list(row) for row in cache.keys]
-    values = [list(row) for row in cache.values]
-    keys[loop][layer] = _write(keys[loop][layer], cache.lengths, new_keys)
-    values[loop][layer] = _write(values[loop][layer], cache.lengths, new_values)
     visible = jnp.minimum(cache.lengths + 1, cache.max_tokens)
-    out = attend(queries, keys[loop][layer], values[loop][layer], visible, implementation=implementation)
-    is_last = loop == cache.loops - 1 and layer == cache.layers - 1
-    lengths = cache.lengths + 1 if is_last else cache.lengths
-    return out, DenseLayerKVCache(
-        keys=tuple(tuple(row) for row in keys), values=tuple(tuple(row) for row in values), lengths=lengths
-    )
+    cache = write_token(cache, loop, layer, new_keys, new_values)
+    out = attend(queries, cache.keys[loop][layer], cache.values[loop][layer], visible, implementation=implementation)
+    return out, cache
 
 
 @functools.cache
