@@ -744,7 +744,10 @@ def main(argv=None) -> int:
                                 f"{cache} B{batch} T{context} {' '.join(variant)}".rstrip())
             print(f"{label}: skipped (time budget)", flush=True)
         elif kind == "trace":
-            outcome = runner.trace(model, cache, trace_directory)
+            try:
+                outcome = runner.trace(model, cache, trace_directory)
+            except Exception as failure:  # a trace is worth less than the rest of the run
+                outcome = f"trace failed: {type(failure).__name__}: {str(failure).splitlines()[0][:160]}"
             traced.append(f"{model.name} {cache} B{batch} T{context}: {outcome}")
             print(f"{label}: {outcome}", flush=True)
         else:
