@@ -440,7 +440,15 @@ def _pack_completed_pages(cache: PagedKVCache, completes: jax.Array, implementat
 
 
 def commit(cache: PagedKVCache, *, implementation: str | None = None) -> PagedKVCache:
-    """Count the pending token of every active sequence; pack pages that filled."""
+    """Count the pending token of every active sequence; pack pages that filled.
+
+    Under ``jit``, commit before anything in the same computation reads the
+    page pools (a decode step commits the previous step's token first, then
+    writes and attends: :mod:`jflashloop.models.serving_loop`). The packing
+    runs in a conditional that rewrites the pools; where an attention of the
+    same computation read them before it, XLA copies every pool to keep that
+    read intact (a whole-pool copy per step).
+    """
     c = cache.config
     lengths = cache.lengths + cache.active.astype(jnp.int32)
     at_capacity = cache.active & (cache.lengths >= c.max_tokens_per_sequence)
