@@ -31,7 +31,6 @@ from .. import CacheConfig, Policy, paged_cache
 from ..codecs import (
     E8_KEYS,
     INT4_GROUP_ROTATED_VALUES,
-    INT4_KEYS,
     INT4_VALUES,
     NVFP4,
     CodecSpec,
