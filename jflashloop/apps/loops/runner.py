@@ -39,6 +39,9 @@ from .metrics import (
 
 DEFAULT_CHECKPOINT = PACKAGED_CHECKPOINT
 PAGE_SIZE = 64
+RECENT_TOKENS = 16
+"""The report's recent window (bench/LOOPS.md was measured with 4 sink + 16 recent tokens, which
+leaves more positions to the pages than the library's default window of one page)."""
 
 _forward = jax.jit(ouro.forward, static_argnames=("config", "loops"))
 _decode_step = jax.jit(ouro.decode_step, static_argnames=("config", "attention_fn", "loops"))
@@ -101,7 +104,8 @@ def held_out_windows(held_out: np.ndarray, count: int, length: int, seed: int) -
 
 
 def cross_loop_cache_config(
-    model: ouro.OuroConfig, sequences: int, max_tokens: int, page_size: int = PAGE_SIZE
+    model: ouro.OuroConfig, sequences: int, max_tokens: int, page_size: int = PAGE_SIZE,
+    recent_tokens: int | None = RECENT_TOKENS,
 ) -> CacheConfig:
     """:meth:`CacheConfig.flashloop` for ``model``, with room for ``sequences`` x ``max_tokens``."""
     pages_per_sequence = math.ceil(max_tokens / page_size)
@@ -109,6 +113,7 @@ def cross_loop_cache_config(
         num_layers=model.layers, num_kv_heads=model.kv_heads, head_dim=model.head_dim,
         num_loops=model.loops, num_pages=sequences * pages_per_sequence,
         max_sequences=sequences, max_pages_per_sequence=pages_per_sequence, page_size=page_size,
+        recent_tokens=recent_tokens,
     )
 
 
