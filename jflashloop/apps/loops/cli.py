@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ...models.checkpoint import load_checkpoint
 from ...models.stdlib_text import default_root, load_corpus
+from . import policies
 from .report import describe_inputs, format_report
 from .runner import DEFAULT_CHECKPOINT, ReportSettings, run_report
 
@@ -33,7 +34,28 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--markdown", type=Path, default=None,
                         help="also write the report to this markdown file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--policies", action="store_true",
+                        help="compare cross-loop storage policies instead (bytes/token, KL, attention error; "
+                             "jflashloop.apps.loops.policies)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="with --policies: one batch of --sequences windows per seed (default: --seed)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                        help="with --policies: only these policies (names of policies.POLICIES)")
     return parser.parse_args(argv)
+
+
+def run_policies(args, checkpoint, corpus) -> str:
+    """``--policies``: the sweep of :mod:`jflashloop.apps.loops.policies` as markdown."""
+    names = args.only or list(policies.POLICIES)
+    unknown = [name for name in names if name not in policies.POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {list(policies.POLICIES)}")
+    settings = policies.SweepSettings(tokens=args.tokens, prompt_tokens=args.prompt_tokens,
+                                      sequences=args.sequences, seeds=tuple(args.seeds or (args.seed,)))
+    log = (lambda message: None) if args.no_progress else (lambda message: print(message, file=sys.stderr))
+    results = policies.sweep(checkpoint.params, checkpoint.config, corpus.held_out, settings,
+                             {name: policies.POLICIES[name] for name in names}, log=log)
+    return policies.format_table(results)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +76,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{checkpoint.config.max_position}", file=sys.stderr)
         return 2
     corpus = load_corpus(args.stdlib)
+    if args.policies:
+        try:
+            report = run_policies(args, checkpoint, corpus)
+        except ValueError as error:
+            print(f"jflashloop loops: {error}", file=sys.stderr)
+            return 2
+        print(report, end="")
+        if args.markdown is not None:
+            args.markdown.parent.mkdir(parents=True, exist_ok=True)
+            args.markdown.write_text(report)
+        return 0
     results = run_report(checkpoint.params, checkpoint.config, corpus.held_out, settings,
                          progress=not args.no_progress)
     report = format_report(results, describe_inputs(checkpoint, args.checkpoint,

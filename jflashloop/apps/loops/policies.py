@@ -1,0 +1,219 @@
+"""Cross-loop storage policies against each other: bytes per token, logit KL and attention error.
+
+``jflashloop loops --policies`` runs every policy of :data:`POLICIES` (or the
+ones named with ``--only``) on the same held-out windows of several seeds and
+writes one table: the bytes per token of full pages
+(:mod:`jflashloop.storage`), the ratio to four BF16 loop caches, the
+teacher-forced KL against the four BF16 caches and the attention-output error
+of every loop, with the Pareto front (fewest bytes for a given KL) in bold.
+
+A policy is one entry per loop, the base first: ``"int4"`` (dense INT4 G64, K
+per channel over the page, V per token), ``"int2"`` (dense INT2 Lloyd-Max K
+and V), ``"int4/int2"`` (K INT4, V INT2) and so on, or ``"<codec> <rows>"`` for
+a sparse residual of ``rows`` rows per 64-token page (codecs per token:
+``int4``, ``nvfp4``, ``int2``). :func:`loop_storage` reads one entry. The
+tables count loops as the report does (loops run: loop 1 is the base).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from fractions import Fraction
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ... import CacheConfig, storage
+from ...cache._config import LoopStorage
+from ...codecs import INT4_KEYS, INT4_VALUES, NVFP4, CodecSpec, int2_lloyd_max
+from ...models import ouro
+from ...models.cache_hooks import looped_paged_attention_hook
+from ..float64_metrics import kl_divergence
+from .metrics import attention_errors
+from .runner import (
+    PAGE_SIZE,
+    RECENT_TOKENS,
+    _forward,
+    bfloat16_dense_attention,
+    bfloat16_loop_caches,
+    decode_tokens,
+    held_out_windows,
+    model_queries,
+    prefill_cross_loop_cache,
+    reconstruct_every_loop,
+)
+
+FLASHLOOP = ("int4", "int4", "int4 16", "int4 7")
+"""FlashLoop's policy at 64-token pages: INT4 base, dense INT4 residual, sparse INT4 rows for 25 % and
+10 % of each page (rounded up)."""
+
+POLICIES: dict[str, tuple[str, ...]] = {
+    "flashloop": FLASHLOOP,
+    "flashloop, nvfp4 rows": ("int4", "int4", "nvfp4 16", "nvfp4 7"),
+    "flashloop, int2 rows": ("int4", "int4", "int2 16", "int2 7"),
+    "flashloop, rows 8/1": ("int4", "int4", "int4 8", "int4 1"),
+    "flashloop, rows 1/1": ("int4", "int4", "int4 1", "int4 1"),
+    "flashloop, int2 rows 24/1": ("int4", "int4", "int2 24", "int2 1"),
+    "flashloop, int2 rows 32/16": ("int4", "int4", "int2 32", "int2 16"),
+    "flashloop, int2 rows 24/10": ("int4", "int4", "int2 24", "int2 10"),
+    "flashloop, int2 rows 16/8": ("int4", "int4", "int2 16", "int2 8"),
+    "int2 loop 2, int2 rows 32/2": ("int4", "int2", "int2 32", "int2 2"),
+    "int2 loop 2": ("int4", "int2", "int4 16", "int4 7"),
+    "int2 loop 2, int2 rows": ("int4", "int2", "int2 24", "int2 10"),
+    "int2 base": ("int2", "int4", "int4 16", "int4 7"),
+    "int2 base, rows 12/5": ("int2", "int4", "int4 12", "int4 5"),
+    "int2 base, int2 rows": ("int2", "int4", "int2 24", "int2 10"),
+    "int2 V base": ("int4/int2", "int4", "int4 16", "int4 7"),
+    "int2 V loop 2, rows 2/1": ("int4", "int4/int2", "int2 2", "int2 1"),
+    "int2 K loop 2, rows 2/1": ("int4", "int2/int4", "int2 2", "int2 1"),
+}
+
+
+def _spec(codec: str, dense_key: bool, head_dim: int) -> CodecSpec:
+    if codec == "int4":
+        return INT4_KEYS if dense_key else INT4_VALUES
+    if codec == "nvfp4":
+        return NVFP4
+    if codec == "int2":
+        return int2_lloyd_max(head_dim, 0)
+    raise ValueError(f"unknown residual codec {codec!r} (int4, nvfp4 or int2)")
+
+
+def loop_storage(entry: str, head_dim: int) -> LoopStorage:
+    """One loop's :class:`LoopStorage` from ``"codec"``, ``"kcodec/vcodec"`` (dense) or ``"codec rows"`` (sparse)."""
+    codecs, _, rows = entry.partition(" ")
+    key_codec, _, value_codec = codecs.partition("/")
+    value_codec = value_codec or key_codec
+    sparse = bool(rows)
+    return LoopStorage(_spec(key_codec, not sparse, head_dim), _spec(value_codec, False, head_dim),
+                       int(rows) if sparse else None)
+
+
+def policy_config(policy: tuple[str, ...], model: ouro.OuroConfig, sequences: int, max_tokens: int,
+                  recent_tokens: int | None = RECENT_TOKENS) -> CacheConfig:
+    """A cache for ``model`` storing its loops as ``policy`` (4 sink tokens, ``recent_tokens`` recent
+    ones, 64-token pages)."""
+    pages = math.ceil(max_tokens / PAGE_SIZE)
+    loops = tuple(loop_storage(entry, model.head_dim) for entry in policy)
+    return CacheConfig(num_layers=model.layers, num_kv_heads=model.kv_heads, head_dim=model.head_dim,
+                       num_pages=sequences * pages, max_sequences=sequences, max_pages_per_sequence=pages,
+                       loops=loops, page_size=PAGE_SIZE, recent_tokens=recent_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSettings:
+    """Windows of ``tokens`` bytes, ``prompt_tokens`` prefilled, the rest teacher forced; one batch per seed."""
+
+    tokens: int = 512
+    prompt_tokens: int = 192
+    sequences: int = 8
+    seeds: tuple[int, ...] = (0, 1, 2)
+    query_positions: int = 8
+
+
+def reference_run(params, model: ouro.OuroConfig, held_out: np.ndarray, settings: SweepSettings, seed: int
+                  ) -> dict[str, Any]:
+    """One seed's windows, their K/V, the BF16 caches' teacher-forced logits and the model's queries."""
+    windows = held_out_windows(held_out, settings.sequences, settings.tokens + 1, seed)
+    token_ids = jnp.asarray(windows[:, :settings.tokens])
+    _, keys, values, _ = _forward(params, model, token_ids)
+    prompt = slice(0, settings.prompt_tokens)
+    bf16 = bfloat16_loop_caches(keys[:, :, :, prompt], values[:, :, :, prompt], settings.tokens)
+    bf16_logits, _ = decode_tokens(params, model, bfloat16_dense_attention, bf16,
+                                   token_ids[:, settings.prompt_tokens:], settings.prompt_tokens,
+                                   donate_state=True)
+    queries = model_queries(params, model, token_ids[:, prompt], settings.query_positions)
+    return {"token_ids": token_ids, "keys": keys, "values": values, "bf16_logits": bf16_logits,
+            "queries": np.asarray(queries)}
+
+
+def measure(params, model: ouro.OuroConfig, policy: tuple[str, ...], reference: dict[str, Any],
+            settings: SweepSettings) -> dict[str, np.ndarray]:
+    """``kl`` float64 ``[sequences]`` (mean over teacher-forced steps) and ``attention`` ``[loops]`` (mean over layers)."""
+    config = policy_config(policy, model, settings.sequences, settings.tokens)
+    prompt = settings.prompt_tokens
+    keys, values = reference["keys"][:, :, :, :prompt], reference["values"][:, :, :, :prompt]
+    cache = prefill_cross_loop_cache(config, keys, values)
+    stored_keys, stored_values = reconstruct_every_loop(cache, settings.sequences, prompt)
+    positions = np.arange(prompt - settings.query_positions, prompt)
+    attention = attention_errors(reference["queries"], np.asarray(keys), np.asarray(values),
+                                 np.asarray(stored_keys), np.asarray(stored_values), positions)
+    hook = looped_paged_attention_hook(model.layers, model.loops)
+    logits, _ = decode_tokens(params, model, hook, cache, reference["token_ids"][:, prompt:], prompt)
+    kl = kl_divergence(reference["bf16_logits"], logits).mean(axis=0)
+    return {"kl": kl, "attention": attention.mean(axis=1)}
+
+
+def bytes_per_token(config: CacheConfig) -> tuple[float, Fraction]:
+    """Full-page bytes per token over all layers, and the exact ratio to four BF16 loop caches."""
+    bf16 = storage.unquantized_bytes_per_token(config) * config.num_layers
+    total = storage.pool_page_bytes(config)
+    return total / config.page_size, Fraction(bf16 * config.page_size, total)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[bool]:
+    """Which ``(bytes, kl)`` points no other point beats in both (fewer or equal bytes and lower KL)."""
+    return [not any((b <= bytes_ and k < kl) or (b < bytes_ and k <= kl) for b, k in points)
+            for bytes_, kl in points]
+
+
+def sweep(params, model: ouro.OuroConfig, held_out: np.ndarray, settings: SweepSettings,
+          policies: dict[str, tuple[str, ...]], *, log=print) -> dict[str, Any]:
+    """Every policy on every seed's windows: per policy ``kl`` ``[seeds, sequences]``, ``attention``
+    ``[seeds, loops]``, ``bytes_per_token`` and ``ratio``."""
+    results = {name: {"kl": [], "attention": []} for name in policies}
+    start = time.perf_counter()
+    for seed in settings.seeds:
+        reference = reference_run(params, model, held_out, settings, seed)
+        for name, policy in policies.items():
+            measured = measure(params, model, policy, reference, settings)
+            results[name]["kl"].append(measured["kl"])
+            results[name]["attention"].append(measured["attention"])
+            log(f"seed {seed} {name}: KL {measured['kl'].mean():.3e} attention "
+                + " ".join(f"{e:.3f}" for e in measured["attention"])
+                + f" ({time.perf_counter() - start:.0f} s)")
+    for name, policy in policies.items():
+        per_token, ratio = bytes_per_token(policy_config(policy, model, 1, PAGE_SIZE))
+        results[name] = {"policy": policy, "kl": np.array(results[name]["kl"]),
+                         "attention": np.array(results[name]["attention"]),
+                         "bytes_per_token": per_token, "ratio": ratio}
+    return {"settings": settings, "policies": results, "seconds": time.perf_counter() - start}
+
+
+def describe_policy(policy: tuple[str, ...]) -> str:
+    """``"int4 · int4 · int4 16 · int4 7"``: each loop's storage, loop 1 (the base) first."""
+    return " · ".join(policy)
+
+
+def format_table(results: dict[str, Any], baseline: str = "flashloop") -> str:
+    """Markdown: one row per policy, fewest bytes first; the Pareto front (bytes vs KL) in bold.
+
+    KL is the mean over every sequence and teacher-forced step of all seeds,
+    with the lowest and highest per-seed mean; "vs FlashLoop" counts the
+    sequences whose KL is at most the baseline's on the same windows.
+    Attention errors are per loop (1-based, loops run), mean over layers and seeds.
+    """
+    policies = results["policies"]
+    names = sorted(policies, key=lambda name: (policies[name]["bytes_per_token"], name))
+    front = dict(zip(names, pareto_front([(policies[n]["bytes_per_token"], policies[n]["kl"].mean())
+                                          for n in names]), strict=True))
+    reference = policies[baseline]["kl"] if baseline in policies else None
+    loops = policies[names[0]]["attention"].shape[1]
+    header = ["policy", "loops 1 · 2 · 3 · 4", "bytes/token", "vs four BF16", "mean KL (nats)",
+              "per-seed range", "sequences with KL ≤ FlashLoop's",
+              *(f"attn err loop {loop + 1}" for loop in range(loops))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name in names:
+        entry = policies[name]
+        per_seed = entry["kl"].mean(axis=1)
+        wins = "" if reference is None else f"{int(np.sum(entry['kl'] <= reference))}/{entry['kl'].size}"
+        cells = [f"**{name}**" if front[name] else name, describe_policy(entry["policy"]),
+                 f"{entry['bytes_per_token']:,.1f}",
+                 f"{float(entry['ratio']):.2f}x", f"{entry['kl'].mean():.2e}",
+                 f"{per_seed.min():.2e}-{per_seed.max():.2e}", wins,
+                 *(f"{value:.3f}" for value in entry["attention"].mean(axis=0))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,70 @@
+"""The cross-loop policy sweep (``jflashloop loops --policies``): configs, bytes, the front, a small run."""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+import jax
+import numpy as np
+import pytest
+
+from jflashloop import INT4_KEYS, INT4_VALUES, NVFP4, LoopStorage, int2_lloyd_max
+from jflashloop.apps import loops
+from jflashloop.apps.loops import policies
+from jflashloop.models import ouro
+
+TINY = ouro.OuroConfig.tiny()
+SMALL = dataclasses.replace(TINY, layers=1, kv_heads=2)
+
+
+def test_the_flashloop_entry_is_the_flashloop_preset():
+    config = policies.policy_config(policies.FLASHLOOP, TINY, sequences=2, max_tokens=512)
+    assert config == loops.cross_loop_cache_config(TINY, 2, 512)
+
+
+def test_loop_storage_reads_each_kind_of_entry():
+    int2 = int2_lloyd_max(64, 0)
+    assert policies.loop_storage("int4", 64) == LoopStorage(INT4_KEYS, INT4_VALUES)
+    assert policies.loop_storage("int2", 64) == LoopStorage(int2, int2)
+    assert policies.loop_storage("int4/int2", 64) == LoopStorage(INT4_KEYS, int2)
+    assert policies.loop_storage("int4 16", 64) == LoopStorage(INT4_VALUES, INT4_VALUES, 16)
+    assert policies.loop_storage("nvfp4 7", 64) == LoopStorage(NVFP4, NVFP4, 7)
+    with pytest.raises(ValueError, match="unknown residual codec"):
+        policies.loop_storage("int3", 64)
+
+
+def test_bytes_per_token_of_the_flashloop_policy():
+    per_token, ratio = policies.bytes_per_token(policies.policy_config(policies.FLASHLOOP, TINY, 1, 64))
+    assert per_token == 2723.75
+    assert ratio == Fraction(65536, 10895)
+
+
+@pytest.mark.parametrize("name", sorted(policies.POLICIES))
+def test_every_policy_makes_a_valid_cache(name):
+    config = policies.policy_config(policies.POLICIES[name], TINY, 1, 64)
+    per_token, ratio = policies.bytes_per_token(config)
+    assert config.num_loops == TINY.loops and not config.loops[0].is_sparse
+    assert float(ratio) == pytest.approx(16384 / per_token, rel=1e-12)
+
+
+def test_pareto_front():
+    points = [(1.0, 3.0), (2.0, 2.0), (2.0, 2.5), (3.0, 2.0), (4.0, 1.0), (1.0, 3.0)]
+    assert policies.pareto_front(points) == [True, True, False, False, True, True]
+
+
+def test_a_small_sweep():
+    params = ouro.init_params(SMALL, jax.random.PRNGKey(0))
+    held_out = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4000).astype(np.uint8)
+    settings = policies.SweepSettings(tokens=136, prompt_tokens=128, sequences=2, seeds=(0,),
+                                      query_positions=4)
+    chosen = {"flashloop": policies.FLASHLOOP, "int2 base": policies.POLICIES["int2 base"]}
+    results = policies.sweep(params, SMALL, held_out, settings, chosen, log=lambda message: None)
+    flashloop, int2_base = results["policies"]["flashloop"], results["policies"]["int2 base"]
+    assert flashloop["kl"].shape == (1, 2) and flashloop["attention"].shape == (1, SMALL.loops)
+    assert np.all(flashloop["kl"] >= 0) and np.all(np.isfinite(int2_base["kl"]))
+    # Loop 1 reads the base alone: the INT2 base serves it worse than the INT4 one.
+    assert int2_base["attention"][0, 0] > flashloop["attention"][0, 0]
+    table = policies.format_table(results)
+    assert table.count("\n") == 4 and "| 2/2 |" in table
+    assert f"{flashloop['bytes_per_token']:,.1f}" in table
