@@ -31,7 +31,10 @@ Run it with ``jflashloop loops`` or ``python -m jflashloop.apps.loops``.
   through both, and :func:`run_report`, which gathers every measurement;
 * :mod:`~jflashloop.apps.loops.metrics`: the measurements (1-6 above);
 * :mod:`~jflashloop.apps.loops.report`: the markdown report;
-* :mod:`~jflashloop.apps.loops.cli`: the command's options and :func:`main`.
+* :mod:`~jflashloop.apps.loops.cli`: the command's options and :func:`main`;
+* :mod:`~jflashloop.apps.loops.policies`: ``jflashloop loops --policies``, other
+  storage policies of the loops against FlashLoop's (bytes per token, KL,
+  attention error; bench/LOOPS.md section 7).
 """
 
 from .cli import main as main
