@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..ops._chunk_attention import DENSE_KEY_MULTIPLE, _flash_attention
+from ..ops._chunk_attention import DENSE_KEY_MULTIPLE, flash_attention
 
 IMPLEMENTATIONS = (None, "cudnn", "xla")
 
@@ -162,7 +162,7 @@ def attend(
     arguments = (queries[:, None].astype(keys.dtype), keys, values)
     options = dict(key_value_seq_lengths=lengths.astype(jnp.int32), scale=1.0 / math.sqrt(queries.shape[-1]))
     if implementation is None:
-        out = _flash_attention(*arguments, **options)
+        out = flash_attention(*arguments, **options)
     else:
         out = jax.nn.dot_product_attention(*arguments, implementation=implementation, **options)
     return out[:, 0].astype(jnp.float32)

@@ -158,7 +158,7 @@ def _reference(queries, cache, layer, loop, keys, values, counts, *, scale):
 DENSE_KEY_MULTIPLE = 128  # key positions padded (masked) to a multiple of this: cuDNN's flash kernels need it
 
 
-def _flash_attention(*arguments, **options):
+def flash_attention(*arguments, **options):
     """``jax.nn.dot_product_attention``: cuDNN's flash attention on a GPU where it takes the call (shapes,
     dtypes), else jax's own choice."""
     if _dispatch.on_gpu():
@@ -180,7 +180,7 @@ def _dense(queries, cache, layer, loop, keys, values, counts, *, scale):
     extra = -all_k.shape[1] % DENSE_KEY_MULTIPLE
     all_k, all_v = (jnp.pad(x.astype(jnp.bfloat16), ((0, 0), (0, extra), (0, 0), (0, 0))) for x in (all_k, all_v))
     mask = jnp.pad(valid, ((0, 0), (0, 0), (0, extra)))[:, None]  # [S, 1, C, T + C + extra]
-    out = _flash_attention(queries.astype(jnp.bfloat16), all_k, all_v, mask=mask, scale=scale)
+    out = flash_attention(queries.astype(jnp.bfloat16), all_k, all_v, mask=mask, scale=scale)
     return jnp.where(jnp.any(valid, axis=-1)[:, :, None, None], out.astype(jnp.float32), 0.0)
 
 
