@@ -10,7 +10,8 @@ What is measured (all in one process, on one device):
   32K, for two models:
 
   - SmolLM2-135M's exact shapes (30 layers, hidden 576, 9 query heads, 3 KV
-    heads, head_dim 64, vocab 49152) with **random weights** (a decode step's
+    heads, head_dim 64, vocab 49152) with **random weights** (bfloat16, products
+    summed in float32; `--float32-weights` for float32) (a decode step's
     speed depends on the shapes only; the real weights' tokens are checked
     against the reference decoding path on the CPU, tests/test_end_to_end.py),
     over a one-loop INT4 cache, against one BF16 cache read by cuDNN's flash
@@ -83,6 +84,7 @@ import statistics
 import sys
 import tarfile
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +117,7 @@ class Model:
     config: llama.LlamaConfig | ouro.OuroConfig
     looped: bool
     focus: tuple[int, int]  # (batch, context) of the target, the breakdown and the trace
+    weight_dtype: Any = jnp.bfloat16  # the Llama model's weights (the looped model's are bfloat16)
 
     @property
     def layers(self) -> int:
@@ -137,10 +140,11 @@ class Model:
         return self.config.head_dim
 
     def params(self, seed: int):
-        """Random weights: float32 for the Llama model (its matmuls are float32), bfloat16 for the looped one."""
+        """Random weights: bfloat16 (products in bfloat16 with float32 sums), or float32 for the
+        Llama model with ``--float32-weights``."""
         key = jax.random.key(seed)
         if not self.looped:
-            return llama.init_params(self.config, key, jnp.float32)
+            return llama.init_params(self.config, key, self.weight_dtype)
         params = ouro.init_params(self.config, key)
         return jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
 
@@ -699,6 +703,8 @@ def parse_args(argv=None):
                         help="seconds after which no new measurement starts (default 420; the run ends a "
                              "measurement or two later)")
     parser.add_argument("--trace-steps", type=int, default=None, help="decode steps in the traced call (1)")
+    parser.add_argument("--float32-weights", action="store_true",
+                        help="the Llama model's weights and products in float32 (default bfloat16)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     # --quick: every part at one shape (the fills and compiled steps are reused), the trace of a whole call.
@@ -722,6 +728,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python bench/end_to_end.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     all_models = models(args.quick)
+    if args.float32_weights:
+        all_models = {name: dataclasses.replace(model, weight_dtype=jnp.float32) for name, model in all_models.items()}
     runner = Runner(args)
     work = plan(args, all_models)
     trace_directory = pathlib.Path(args.trace) if args.trace else None

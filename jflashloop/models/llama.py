@@ -164,8 +164,15 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32) -
 
 
 def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """``x @ weight`` in float32 (``weight`` is ``[in, out]``)."""
-    return jnp.matmul(x, weight.astype(jnp.float32), precision=_HIGHEST)
+    """``x @ weight`` with a float32 result (``weight`` is ``[in, out]``).
+
+    float32 weights multiply at the highest precision; narrower weights
+    (bfloat16, float16) take ``x`` rounded to their dtype and accumulate in
+    float32, as a serving stack runs them.
+    """
+    if weight.dtype == jnp.float32:
+        return jnp.matmul(x, weight, precision=_HIGHEST)
+    return jnp.matmul(x.astype(weight.dtype), weight, preferred_element_type=jnp.float32)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -302,7 +309,7 @@ def _embed(params: Params, token_ids: jax.Array) -> jax.Array:
 def _output_logits(params: Params, config: LlamaConfig, hidden: jax.Array) -> jax.Array:
     """Final norm and the tied output projection: float32 ``[N, D]`` -> float32 ``[N, V]``."""
     normed = rms_norm(hidden, params["output_norm"], config.rms_norm_eps)
-    return jnp.matmul(normed, params["token_embedding"].astype(jnp.float32).T, precision=_HIGHEST)
+    return _linear(normed, params["token_embedding"].T)
 
 
 # --------------------------------------------------------------------------
