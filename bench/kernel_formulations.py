@@ -106,7 +106,7 @@ def formulation(name, loop=0, pages_only=False):
     return run
 
 
-def device_ms(function, queries, argument_sets, repeats=12):
+def device_ms(function, queries, argument_sets, repeats=48):
     """ms per call with Python dispatch out of the way: ``repeats`` calls (distinct queries, rotated
     argument sets) inside one jitted function, median over 5 runs."""
     stack = jnp.stack([queries * (1 + 1e-3 * r) for r in range(repeats)])
@@ -166,16 +166,17 @@ def main() -> int:
                         help="every sequence reads the same pages (a forked prompt); bytes counted per sequence")
     parser.add_argument("--device-time", action="store_true",
                         help="time calls inside one jitted function (no Python dispatch per call)")
-    parser.add_argument("--repeats", type=int, default=12,
+    parser.add_argument("--repeats", type=int, default=48,
                         help="calls per jitted function with --device-time (the function's own launch and "
-                             "synchronization are shared by them)")
+                             "synchronization, 0.4-0.5 ms on the H200, are shared by them: 48 calls leave "
+                             "about 10 us of it in each, 12 calls 35-40 us)")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.profile:
         name, sequences, q_heads, kv_heads, tokens, head_dim = SHAPES[args.shape]
-        config = bench.make_config(sequences, kv_heads, tokens, 1, head_dim=head_dim)
+        config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim)
         cache = bench.random_cache(config, tokens, 0)
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
         if args.whole:  # every kernel of one whole call each, between cudaProfilerStart/Stop
@@ -189,7 +190,7 @@ def main() -> int:
                 runtime.cudaProfilerStop()
             return 0
         for profiled in args.profile.split(","):  # one launch each: ncu --launch-count <number of names>
-            jax.block_until_ready(formulation(profiled, pages_only=True)(queries, cache))
+            jax.block_until_ready(formulation(profiled, loop=args.loops - 1, pages_only=True)(queries, cache))
         return 0
     bandwidth = bench.copy_bandwidth()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; plain copy {bandwidth:.2f} TB/s; "

@@ -89,14 +89,18 @@ def test_explicit_stages_and_no_target_are_kept():
 
 
 def test_gluon_stages_fit_the_target():
-    chain = dict(head_dim=256, page_size=128, streams=2)
-    assert gluon_launch.pipelined_stages(capability=90, **chain) == 2
-    assert gluon_launch.pipelined_stages(capability=120, **chain) == 1
+    one = dict(head_dim=256, page_size=128)
+    assert gluon_launch.pipelined_stages(capability=90, **one) == 2
+    assert gluon_launch.pipelined_shared_bytes(stages=2, **one) == 71680
+    chain = dict(one, streams=2)
     assert gluon_launch.pipelined_shared_bytes(stages=2, **chain) == 143360 > 101376
-    for capability in (90, 120):  # the benchmarked shapes keep two stages
+    for capability in (90, 120):  # one loop keeps two stages; chains take one (the measured best)
         assert gluon_launch.pipelined_stages(capability=capability, head_dim=128, page_size=64) == 2
+        assert gluon_launch.pipelined_stages(capability=capability, **chain) == 1
         assert gluon_launch.pipelined_stages(capability=capability, head_dim=128, page_size=64, streams=2,
-                                             sparse_rows=(16, 7)) == 2
+                                             sparse_rows=(16, 7)) == 1
+        assert gluon_launch.pipelined_stages(capability=capability, head_dim=128, page_size=64,
+                                             sparse_rows=(16,)) == 1
     with pytest.raises(ValueError, match="shared memory"):
         gluon_launch.pipelined_stages(capability=120, sparse_rows=(128, 128), **chain)
 

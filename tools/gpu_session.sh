@@ -51,12 +51,12 @@ for stage in "$@"; do
              tests/test_chunks.py ;;
     formulations) run_stage formulations 200 python3 bench/kernel_formulations.py ;;
     gluonbench) run_stage gluonbench "${BENCH_LIMIT:-280}" python3 bench/kernel_formulations.py --device-time \
-             --repeats "${BENCH_REPEATS:-12}" \
+             --repeats "${BENCH_REPEATS:-48}" \
              --shapes "${BENCH_SHAPES:-0,1,2,3,4,5}" \
              --names "${BENCH_NAMES:-pallas,public,gluon2-s2w-mx,gluon2-s2w-mg,gluon2-s2w-mx-n1,gluon2-s2w-x}" ;;
     gluonformats) for spec in ${FORMATS_SPECS:-nvfp4:1 int4_rotated:1 int4:2 int4:4}; do
                run_stage "formats-${spec/:/-loop}" 120 python3 bench/kernel_formulations.py --device-time --shapes 0,1 \
-                 --value-format "${spec%%:*}" --loops "${spec##*:}" --names "${FORMATS_NAMES:-pallas,gluon2-s2w,gluon2-s2w-m}"
+                 --repeats "${BENCH_REPEATS:-48}" --value-format "${spec%%:*}" --loops "${spec##*:}" --names "${FORMATS_NAMES:-pallas,gluon2-s2w,gluon2-s2w-m}"
              done ;;
     ncugluon) profiled=${NCU_FORMULATIONS:-gluon2-s2,gluon2-s4}
              run_stage ncugluon 150 ncu --clock-control none -k regex:int4_pages \
@@ -64,7 +64,7 @@ for stage in "$@"; do
              --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
              --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats ${NCU_EXTRA:-} \
              --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed.sum${NCU_METRICS:+,$NCU_METRICS} \
-             python3 bench/kernel_formulations.py --profile "$profiled" --shape 0 ;;
+             python3 bench/kernel_formulations.py --profile "$profiled" --shape 0 ${NCU_PY_ARGS:-} ;;
     ncuwhole) run_stage ncuwhole 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
              python3 bench/kernel_formulations.py --profile "${NCU_WHOLE:-public,gluon2-s2w}" --whole --shape "${NCU_SHAPE:-3}" ;;
     chunks) run_stage chunks 200 python3 bench/chunks.py ;;

@@ -326,9 +326,11 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     sparse_rows = tuple(loops[i].keys.rows for i in range(2, len(loops)))
     if stages is None:
         capability = None if emulate else pallas_launch.local_capability()
-        stages = 2 if capability is None else launch.pipelined_stages(
-            capability=capability, head_dim=head_dim, page_size=page_size, format=loops[0].keys.format,
-            value_group=loops[0].values.group_size, streams=min(len(loops), 2), sparse_rows=sparse_rows)
+        streams_read = min(len(loops), 2)
+        stages = launch.preferred_stages(streams=streams_read, sparse_rows=sparse_rows) if capability is None \
+            else launch.pipelined_stages(capability=capability, head_dim=head_dim, page_size=page_size,
+                                         format=loops[0].keys.format, value_group=loops[0].values.group_size,
+                                         streams=streams_read, sparse_rows=sparse_rows)
     if merge is None:  # the Gluon merge is one more custom call: not (yet) measured to pay off
         merge = "xla"
     if merge not in ("gluon", "xla", "kernel"):
