@@ -727,25 +727,39 @@ def _stream_buffers(STAGES: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr, D
 
 
 @gluon.jit
-def _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D: gl.constexpr, W: gl.constexpr,
-               A_OP: gl.constexpr, B8: gl.constexpr, KM: gl.constexpr, PRECISE: gl.constexpr):
-    """One key stream's page terms: the query scaled by the page's channel scales (A operand, float16,
-    the product's high half in rows 0-7 and its low half in rows 8-15) and ``q . min`` in every
-    column of a ``[16, 8]`` accumulator (the halves' rows, to be folded with the scores)."""
-    operand, hi, lo = query
-    k_scale = _key_order_1d(ks_s.index(stage).load(KM), D, W)
+def _key_offset(query, km_s, stage, zeros_b8, zeros_c8, D: gl.constexpr, W: gl.constexpr, B8: gl.constexpr,
+                KM: gl.constexpr):
+    """``q . min`` of one INT4 key stream's page in every column of a ``[16, 8]`` accumulator (the
+    query halves' rows, to be folded with the scores)."""
     k_min = _key_order_1d(km_s.index(stage).load(KM), D, W)
-    k_scale = gl.convert_layout(k_scale, gl.SliceLayout(0, hi.type.layout), assert_trivial=True)
     k_min = gl.convert_layout(k_min, gl.SliceLayout(1, B8), assert_trivial=True)
     minimum = gl.broadcast(gl.expand_dims(k_min, 1), zeros_b8)[0]
-    scale = gl.expand_dims(k_scale, 0)
+    return mma_v2(query[0], minimum, zeros_c8)
+
+
+@gluon.jit
+def _scaled_query(query, ks_s, stage, D: gl.constexpr, W: gl.constexpr, A_OP: gl.constexpr, KM: gl.constexpr,
+                  PRECISE: gl.constexpr):
+    """The query scaled by one INT4 key stream's page channel scales: the A operand (float16, the
+    product's high half in rows 0-7 and its low half in rows 8-15)."""
+    _, hi, lo = query
+    k_scale = _key_order_1d(ks_s.index(stage).load(KM), D, W)
+    scale = gl.expand_dims(gl.convert_layout(k_scale, gl.SliceLayout(0, hi.type.layout), assert_trivial=True), 0)
     # (hi + lo) * s as a float16 pair: hi * s rounded, then its exact rounding remainder plus lo * s.
     scaled_hi = hi * scale
     if PRECISE:
         scaled_lo = gl.fma(lo, scale, gl.fma(hi, scale, -scaled_hi))
     else:
         scaled_lo = gl.zeros_like(scaled_hi)
-    return _stack_rows(scaled_hi, scaled_lo, D, A_OP), mma_v2(operand, minimum, zeros_c8)
+    return _stack_rows(scaled_hi, scaled_lo, D, A_OP)
+
+
+@gluon.jit
+def _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D: gl.constexpr, W: gl.constexpr,
+               A_OP: gl.constexpr, B8: gl.constexpr, KM: gl.constexpr, PRECISE: gl.constexpr):
+    """One INT4 key stream's page terms: (:func:`_scaled_query`, :func:`_key_offset`)."""
+    return (_scaled_query(query, ks_s, stage, D, W, A_OP, KM, PRECISE),
+            _key_offset(query, km_s, stage, zeros_b8, zeros_c8, D, W, B8, KM))
 
 
 @gluon.jit
@@ -1357,13 +1371,12 @@ def int4_pages_kernel_v2(
         if FORMAT == INT4:  # the key metadata is in shared memory: read it after waiting
             terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, stage, zeros_b8, zeros_c8, D, W,
                                 A_OP, B8, KM, FORMAT, PRECISE)
-            if STREAMS == 2:
-                terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, stage, zeros_b8, zeros_c8, D,
-                                     W, A_OP, B8, KM, FORMAT, PRECISE)
+            if STREAMS == 2:  # its scaled query is made where its product needs it (fewer live registers)
+                offset2 = _key_offset(query, km2_s, stage, zeros_b8, zeros_c8, D, W, B8, KM)
         if FORMAT == INT4:  # the streams' q . min start the score accumulator
             offset = terms[1]
             if STREAMS == 2:
-                offset = offset + terms2[1]
+                offset = offset + offset2
             start = gl.convert_layout(_tile_columns(offset, CHUNK), MMA, assert_trivial=True)
         else:
             start = zero_scores
@@ -1371,6 +1384,8 @@ def int4_pages_kernel_v2(
             both = _add_key_scores(start, query, terms, kw_s, ks_s, stage, c, zero_scores, PAGE, CHUNK, W, D, B_OP,
                                    KW, FORMAT)
             if STREAMS == 2:
+                if FORMAT == INT4:
+                    terms2 = (_scaled_query(query, ks2_s, stage, D, W, A_OP, KM, PRECISE), offset2)
                 both = _add_key_scores(both, query, terms2, kw2_s, ks2_s, stage, c, zero_scores, PAGE, CHUNK, W, D,
                                        B_OP, KW, FORMAT)
             if SPARSE >= 1:
