@@ -116,8 +116,8 @@ def unpack_nibbles(packed: np.ndarray, channels: int) -> np.ndarray:
     return codes
 
 
-def group_parameters(values):
-    """float32 (min, scale) of one group's float32 values.
+def group_parameters(values, max_code: int = 15):
+    """float32 (min, scale = span / max_code) of one group's float32 values.
 
     -0.0 counts as +0.0 here, so a group's min never depends on the order of
     its signed zeros. Non-finite values are left out; with no finite value
@@ -130,7 +130,7 @@ def group_parameters(values):
     maximum = np.float32(max(finite))
     with np.errstate(over="ignore", invalid="ignore"):
         span = np.float32(maximum - minimum)
-    scale = floats.divide_float32(span, np.float32(15.0)) if span >= MINIMUM_SPAN else np.float32(1.0)
+    scale = floats.divide_float32(span, np.float32(max_code)) if span >= MINIMUM_SPAN else np.float32(1.0)
     return minimum, scale
 
 
@@ -147,6 +147,11 @@ def encode_int4(x: np.ndarray, axis: str, group_size: int):
     and ``scale`` (float16, :func:`metadata_shape`), and the Python int counts
     ``nonfinite`` and ``saturated`` (see the module docstring).
     """
+    return encode_affine(x, axis, group_size, 15, pack_nibbles)
+
+
+def encode_affine(x: np.ndarray, axis: str, group_size: int, max_code: int, pack):
+    """The affine encode with codes ``0..max_code``, packed by ``pack`` (codes ``[T, H, C]`` to bytes)."""
     x = np.asarray(x, dtype=np.float32)
     assert x.ndim == 3 and axis in ("channel", "token") and group_size >= 1
     x = flush_subnormals(x)
@@ -157,7 +162,7 @@ def encode_int4(x: np.ndarray, axis: str, group_size: int):
     nonfinite = saturated = 0
     for group_index in np.ndindex(*meta_shape):
         members = group_members(axis, group_size, x.shape, group_index)
-        minimum, scale = group_parameters([x[m] for m in members])
+        minimum, scale = group_parameters([x[m] for m in members], max_code)
         finite_members = sum(1 for m in members if math.isfinite(x[m]))
         nonfinite += len(members) - finite_members
         if overflows_float16(minimum) or overflows_float16(scale):
@@ -170,12 +175,12 @@ def encode_int4(x: np.ndarray, axis: str, group_size: int):
             code = floats.round_half_to_even(quotient)
             # A NaN quotient (+-inf over a span that overflows float32) is
             # stored as code 0.
-            codes[m] = 0 if math.isnan(code) else int(min(max(code, 0.0), 15.0))
+            codes[m] = 0 if math.isnan(code) else int(min(max(code, 0.0), float(max_code)))
         minimum16[group_index] = floats.float16_saturating(minimum)
         # A span beyond float32 makes the scale +inf; it is stored as 65504 too.
         scale16[group_index] = floats.float16_saturating(min(scale, np.float32(floats.FLOAT16_MAX)))
     return {
-        "payload": pack_nibbles(codes),
+        "payload": pack(codes),
         "minimum": minimum16,
         "scale": scale16,
         "nonfinite": nonfinite,
@@ -185,7 +190,11 @@ def encode_int4(x: np.ndarray, axis: str, group_size: int):
 
 def decode_int4(payload, minimum, scale, axis: str, group_size: int, shape):
     """Decode to float32 ``shape``: ``code * float32(scale16) + float32(min16)``."""
-    codes = unpack_nibbles(np.asarray(payload), shape[2])
+    return decode_affine(unpack_nibbles(np.asarray(payload), shape[2]), minimum, scale, axis, group_size, shape)
+
+
+def decode_affine(codes, minimum, scale, axis: str, group_size: int, shape):
+    """float32 ``shape`` from unpacked codes ``[T, H, C]``: ``code * float32(scale16) + float32(min16)``."""
     out = np.zeros(shape, dtype=np.float32)
     for group_index in np.ndindex(*metadata_shape(axis, group_size, shape)):
         group_scale = np.float32(scale[group_index])

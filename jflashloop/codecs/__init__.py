@@ -6,10 +6,10 @@ encode statistics, :class:`Packed`, nibble packing, and the rotations that
 queries take for rotated keys. The modules of this folder are internal:
 
 * ``_spec``: :class:`CodecSpec`, the presets, bits and bytes per format;
-* ``_packed``: :class:`Packed` and nibble packing;
+* ``_packed``: :class:`Packed`, nibble and 3-bit packing;
 * ``_floats``: exact-float helpers (float16 / E4M3 rounding, saturating casts);
 * ``_statistics``: :class:`EncodeStatistics` and each format's saturation rule;
-* ``_int4``, ``_nvfp4``, ``_rotated``: one format family each;
+* ``_int4`` (the affine formats, ``int4`` and ``int3``), ``_nvfp4``, ``_rotated``: one format family each;
 * ``_api``: the entry points, which check arguments and dispatch on the format.
 """
 
@@ -20,7 +20,9 @@ from ._api import encode_with_statistics as encode_with_statistics
 from ._nvfp4 import global_scale_from_amax as global_scale_from_amax
 from ._packed import Packed as Packed
 from ._packed import pack_nibbles as pack_nibbles
+from ._packed import pack_triplets as pack_triplets
 from ._packed import unpack_nibbles as unpack_nibbles
+from ._packed import unpack_triplets as unpack_triplets
 from ._rotated import rotate as rotate
 from ._rotated import unrotate as unrotate
 from ._spec import E8_KEYS as E8_KEYS
@@ -50,7 +52,9 @@ __all__ = [
     "int2_lloyd_max",
     "int4_rotated",
     "pack_nibbles",
+    "pack_triplets",
     "rotate",
     "unpack_nibbles",
+    "unpack_triplets",
     "unrotate",
 ]

@@ -13,7 +13,7 @@ import numpy as np
 from ..ops import _dispatch
 from . import _rotated as rotated
 from ._floats import cast_saturating
-from ._int4 import decode_int4, encode_int4, encode_int4_with_statistics, int4_statistics
+from ._int4 import affine_statistics, decode_affine, encode_affine, encode_affine_with_statistics
 from ._nvfp4 import (
     MINIMUM_GIVEN_GLOBAL_SCALE,
     decode_nvfp4,
@@ -21,7 +21,7 @@ from ._nvfp4 import (
     encode_nvfp4_with_statistics,
 )
 from ._packed import Packed
-from ._spec import CodecSpec
+from ._spec import AFFINE_FORMATS, CodecSpec
 from ._statistics import EncodeStatistics
 
 SUPPORTED_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -81,7 +81,7 @@ def check_global_scale(global_scale, spec: CodecSpec) -> None:
         )
 
 
-STATISTICS_FORMATS = ("int4", "nvfp4", "int4_rotated")
+STATISTICS_FORMATS = ("int4", "int3", "nvfp4", "int4_rotated")
 
 
 def _checked_arguments(x, spec, global_scale, implementation, *, statistics: bool = False):
@@ -104,7 +104,7 @@ def encode(
     global_scale: jax.Array | float | None = None,
     implementation: str | None = None,
 ) -> Packed:
-    """Encode a ``[tokens, kv_heads, channels]`` tensor into a 4-bit :class:`Packed`.
+    """Encode a ``[tokens, kv_heads, channels]`` tensor into a low-bit :class:`Packed`.
 
     Works under ``jit`` (``spec`` and ``implementation`` are static: pass them
     with ``static_argnames`` or close over them) and ``vmap``.
@@ -124,7 +124,9 @@ def encode(
         GPU only ``"pallas"`` is, because XLA's GPU float32 division is not
         correctly rounded.
     Returns:
-      :class:`Packed` with uint8 payload ``[tokens, kv_heads, ceil(channels/2)]``.
+      :class:`Packed` with uint8 payload ``[tokens, kv_heads,
+      spec.payload_bytes_per_row(channels)]`` (``ceil(channels/2)`` for the
+      4-bit formats, ``ceil(3 * channels / 8)`` for INT3).
 
     Edge values never produce NaN or Inf in the stored data: NaN/+-inf inputs
     take no part in any group statistic and are stored as the saturated code
@@ -146,8 +148,8 @@ def encode(
     if spec.format in _ROTATED_ENCODERS:
         spec.check_shape(tuple(x.shape))
         return _ROTATED_ENCODERS[spec.format](x, spec, implementation)
-    if spec.format == "int4":
-        return encode_int4(x, spec, implementation)
+    if spec.format in AFFINE_FORMATS:
+        return encode_affine(x, spec, implementation)
     return encode_nvfp4(x, spec, implementation, global_scale)
 
 
@@ -164,7 +166,7 @@ def encode_with_statistics(
     bit). The :class:`EncodeStatistics` count the NaN/+-inf elements and the
     finite elements stored beyond the format's range (``docs/reliability.md``
     defines both); they are computed in the same ``jit``, from values the
-    encode already has. Defined for ``int4``, ``nvfp4`` and ``int4_rotated``.
+    encode already has. Defined for ``int4``, ``int3``, ``nvfp4`` and ``int4_rotated``.
 
     Returns:
       ``(packed, statistics)``; both counts are int32 ``[]``.
@@ -178,8 +180,8 @@ def encode_with_statistics(
       (1, 3)
     """
     implementation = _checked_arguments(x, spec, global_scale, implementation, statistics=True)
-    if spec.format == "int4":
-        return encode_int4_with_statistics(x, spec, implementation)
+    if spec.format in AFFINE_FORMATS:
+        return encode_affine_with_statistics(x, spec, implementation)
     if spec.format == "int4_rotated":
         return rotated.encode_int4_rotated_with_statistics(x, spec, implementation)
     return encode_nvfp4_with_statistics(x, spec, implementation, global_scale)
@@ -194,13 +196,13 @@ def count_saturations(
 ) -> EncodeStatistics:
     """The :class:`EncodeStatistics` that :func:`encode` of ``x`` would have.
 
-    INT4 computes only the group statistics (no codes); ``int4_rotated``
+    INT4 and INT3 compute only the group statistics (no codes); ``int4_rotated``
     only its input rule; NVFP4 needs the quotients, so it encodes and drops
     the payload (free under ``jit``).
     """
     implementation = _checked_arguments(x, spec, global_scale, implementation, statistics=True)
-    if spec.format == "int4":
-        return int4_statistics(x, spec, implementation)
+    if spec.format in AFFINE_FORMATS:
+        return affine_statistics(x, spec, implementation)
     if spec.format == "int4_rotated":
         return rotated.int4_rotated_statistics(x)
     return encode_nvfp4_with_statistics(x, spec, implementation, global_scale)[1]
@@ -209,26 +211,27 @@ def count_saturations(
 def _check_packed(packed: Packed) -> None:
     """Leaf dtypes and trailing shapes must match the packed's spec and logical shape.
 
-    Checked for the INT4 and NVFP4 layouts; other formats check their own.
+    Checked for the INT4, INT3 and NVFP4 layouts; other formats check their own.
     """
     spec, shape = packed.spec, packed.shape
     if not isinstance(spec, CodecSpec) or len(shape) != 3:
         raise ValueError(f"packed.spec must be a CodecSpec and packed.shape a 3-tuple, got {spec!r}, {shape!r}")
-    if spec.format not in ("int4", "nvfp4"):
+    if spec.format not in (*AFFINE_FORMATS, "nvfp4"):
         return
-    payload_shape = (shape[0], shape[1], (shape[2] + 1) // 2)
+    payload_shape = (shape[0], shape[1], spec.payload_bytes_per_row(shape[2]))
     if packed.payload.dtype != np.uint8 or tuple(packed.payload.shape[-3:]) != payload_shape:
         raise ValueError(
             f"packed.payload must be uint8 [..., {payload_shape[0]}, {payload_shape[1]}, {payload_shape[2]}] "
             f"for shape {shape}, got {packed.payload.dtype} {tuple(packed.payload.shape)}"
         )
-    if spec.format == "int4":
+    if spec.format in AFFINE_FORMATS:
         metadata_shape = spec.metadata_shape(shape)
         for name in ("scale", "minimum"):
             leaf = getattr(packed, name)
             if leaf is None or leaf.dtype != np.float16 or tuple(leaf.shape[-3:]) != metadata_shape:
                 got = None if leaf is None else f"{leaf.dtype} {tuple(leaf.shape)}"
-                raise ValueError(f"packed.{name} must be float16 [..., {metadata_shape}] for INT4, got {got}")
+                raise ValueError(f"packed.{name} must be float16 [..., {metadata_shape}] for "
+                                 f"{spec.format.upper()}, got {got}")
         return
     metadata_shape = spec.metadata_shape(shape)
     if packed.scale.dtype != jnp.float8_e4m3fn or tuple(packed.scale.shape[-3:]) != metadata_shape:
@@ -243,7 +246,7 @@ def _check_packed(packed: Packed) -> None:
 def decode(packed: Packed, dtype=jnp.float32) -> jax.Array:
     """Decode a :class:`Packed` back to ``[tokens, kv_heads, channels]``.
 
-    Values are computed in float32 (INT4: ``code * scale + min``; NVFP4:
+    Values are computed in float32 (INT4, INT3: ``code * scale + min``; NVFP4:
     ``e2m1 * scale * global_scale``) and cast to ``dtype`` (RNE), saturating:
     a finite value beyond ``dtype``'s range decodes to its largest finite
     value of the same sign. (INT4 of a float16 group spanning -65504..65504
@@ -263,8 +266,8 @@ def decode(packed: Packed, dtype=jnp.float32) -> jax.Array:
     _check_packed(packed)
     if packed.spec.format in _ROTATED_DECODERS:
         decoded = _ROTATED_DECODERS[packed.spec.format](packed)
-    elif packed.spec.format == "int4":
-        decoded = decode_int4(packed)
+    elif packed.spec.format in AFFINE_FORMATS:
+        decoded = decode_affine(packed)
     else:
         decoded = decode_nvfp4(packed)
     if np.dtype(dtype) == np.float32:

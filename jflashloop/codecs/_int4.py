@@ -1,15 +1,19 @@
-"""INT4 affine codec (FlashLoop-compatible), bit-exact with ``reference.int4``.
+"""The affine codecs, INT4 (FlashLoop-compatible) and INT3, bit-exact with ``reference.int4`` / ``reference.int3``.
 
 Per group in float32: ``min = amin(x)`` (-0.0 counted as +0.0), ``span = amax(x) - min``,
-``scale = span / 15`` (``1`` when ``span < 2**-121``), ``code = clamp(rne((x - min) /
-scale), 0, 15)``; min and scale are then stored as float16 (RNE, saturating at
-+-65504). Decode: ``code * float32(scale16) + float32(min16)``.
+``scale = span / M`` (``1`` when ``span < 2**-121``), ``code = clamp(rne((x - min) /
+scale), 0, M)`` with ``M = 15`` for INT4 and ``7`` for INT3
+(:data:`~jflashloop.codecs._spec.AFFINE_MAX_CODE`); min and scale are then
+stored as float16 (RNE, saturating at +-65504). Decode: ``code *
+float32(scale16) + float32(min16)``. INT4 packs two codes per byte
+(:func:`~jflashloop.codecs._packed.pack_nibbles`), INT3 eight codes per three
+bytes (:func:`~jflashloop.codecs._packed.pack_triplets`).
 
 float32 subnormal inputs are read as zeros and a group whose span is below
 ``2**-121`` gets scale 1 (:data:`MINIMUM_SPAN`), so no subnormal arithmetic
 decides a stored bit. Non-finite elements take no part in min and max (a group without a finite
-element counts as all zeros); +inf is stored as code 15, -inf as code 0 and
-NaN as the code of 0.0. :func:`encode_int4_with_statistics` counts them and
+element counts as all zeros); +inf is stored as code ``M``, -inf as code 0 and
+NaN as the code of 0.0. :func:`encode_affine_with_statistics` counts them and
 the finite elements of groups whose metadata overflows float16.
 """
 
@@ -22,8 +26,8 @@ import jax.numpy as jnp
 
 from ..ops._division import divide
 from . import _floats as floats
-from ._packed import Packed, pack_nibbles, unpack_nibbles
-from ._spec import CodecSpec
+from ._packed import Packed, pack_nibbles, pack_triplets, unpack_nibbles, unpack_triplets
+from ._spec import AFFINE_MAX_CODE, CodecSpec
 from ._statistics import EncodeStatistics, count, int4_saturated_groups
 
 MINIMUM_SPAN = 2.0**-121
@@ -33,6 +37,7 @@ Their scale would be below ``2**-125``, where float32 subnormal arithmetic
 (flushed to zero by XLA on CPU, kept by numpy) could change a code; every
 such group decodes to its float16 min either way (its float16 scale would be 0).
 """
+_PACKINGS = {"int4": (pack_nibbles, unpack_nibbles), "int3": (pack_triplets, unpack_triplets)}
 
 
 def _grouped(x: jax.Array, spec: CodecSpec) -> jax.Array:
@@ -82,7 +87,9 @@ def group_parameters(x: jax.Array, spec: CodecSpec, implementation: str):
     minimum = jnp.where(has_finite, minimum, jnp.float32(0.0))
     span = jnp.where(has_finite, maximum, jnp.float32(0.0)) - minimum
     scale = jnp.where(
-        span >= MINIMUM_SPAN, divide(span, jnp.float32(15.0), implementation), jnp.float32(1.0)
+        span >= MINIMUM_SPAN,
+        divide(span, jnp.float32(AFFINE_MAX_CODE[spec.format]), implementation),
+        jnp.float32(1.0),
     )
     return minimum, scale
 
@@ -90,13 +97,13 @@ def group_parameters(x: jax.Array, spec: CodecSpec, implementation: str):
 def codes_from_parameters(x, minimum, scale, spec: CodecSpec, implementation: str) -> jax.Array:
     """uint8 codes ``[T, H, C]`` of float32 ``x`` given float32 group parameters.
 
-    NaN is coded as 0.0 would be; +-inf clamp to codes 15 and 0.
+    NaN is coded as 0.0 would be; +-inf clamp to the top code and 0.
     """
     groups = _grouped(jnp.where(jnp.isnan(x), jnp.float32(0.0), x), spec)
     quotient = divide(
         groups - _expand(minimum, spec), _expand(scale, spec), implementation
     )
-    codes = jnp.clip(floats.round_half_to_even(quotient), 0.0, 15.0)
+    codes = jnp.clip(floats.round_half_to_even(quotient), 0.0, float(AFFINE_MAX_CODE[spec.format]))
     codes = jnp.where(jnp.isnan(codes), 0.0, codes)
     return _ungrouped(codes, spec, x.shape).astype(jnp.uint8)
 
@@ -115,7 +122,7 @@ def _encode(x: jax.Array, spec: CodecSpec, implementation: str):
     minimum, scale = group_parameters(x, spec, implementation)
     codes = codes_from_parameters(x, minimum, scale, spec, implementation)
     packed = Packed(
-        payload=pack_nibbles(codes),
+        payload=_PACKINGS[spec.format][0](codes),
         scale=floats.round_to_float16(scale).astype(jnp.float16),
         minimum=floats.round_to_float16(minimum).astype(jnp.float16),
         global_scale=None,
@@ -125,30 +132,30 @@ def _encode(x: jax.Array, spec: CodecSpec, implementation: str):
     return packed, x, minimum, scale
 
 
-def encode_int4(x: jax.Array, spec: CodecSpec, implementation: str) -> Packed:
-    """Encode ``x`` ``[T, H, C]`` (float32/bfloat16/float16) with an INT4 ``spec``."""
+def encode_affine(x: jax.Array, spec: CodecSpec, implementation: str) -> Packed:
+    """Encode ``x`` ``[T, H, C]`` (float32/bfloat16/float16) with an INT4 or INT3 ``spec``."""
     return _encode(x, spec, implementation)[0]
 
 
-def encode_int4_with_statistics(
+def encode_affine_with_statistics(
     x: jax.Array, spec: CodecSpec, implementation: str
 ) -> tuple[Packed, EncodeStatistics]:
-    """:func:`encode_int4` and its :class:`EncodeStatistics`."""
+    """:func:`encode_affine` and its :class:`EncodeStatistics`."""
     packed, x, minimum, scale = _encode(x, spec, implementation)
     return packed, statistics_from_parameters(x, minimum, scale, spec)
 
 
-def int4_statistics(x: jax.Array, spec: CodecSpec, implementation: str) -> EncodeStatistics:
+def affine_statistics(x: jax.Array, spec: CodecSpec, implementation: str) -> EncodeStatistics:
     """The :class:`EncodeStatistics` of encoding ``x`` ``[T, H, C]``, without encoding it."""
     x = floats.flush_subnormals(x.astype(jnp.float32))
     minimum, scale = group_parameters(x, spec, implementation)
     return statistics_from_parameters(x, minimum, scale, spec)
 
 
-def decode_int4(packed: Packed) -> jax.Array:
+def decode_affine(packed: Packed) -> jax.Array:
     """float32 ``[T, H, C]``: ``code * float32(scale16) + float32(min16)``."""
     spec, shape = packed.spec, packed.shape
-    codes = unpack_nibbles(packed.payload, shape[2]).astype(jnp.float32)
+    codes = _PACKINGS[spec.format][1](packed.payload, shape[2]).astype(jnp.float32)
     groups = _grouped(codes, spec)
     scale = _expand(packed.scale.astype(jnp.float32), spec)
     minimum = _expand(packed.minimum.astype(jnp.float32), spec)

@@ -1,4 +1,4 @@
-"""`Packed` (an encoded tensor and its metadata, as a pytree) and nibble packing."""
+"""`Packed` (an encoded tensor and its metadata, as a pytree), nibble and 3-bit packing."""
 
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ class Packed:
 
     Array leaves (they may carry extra leading axes under ``vmap``):
 
-    * ``payload``: uint8 ``[tokens, kv_heads, ceil(channels / 2)]``; byte
-      ``c // 2`` holds channel ``c`` (even) in its low nibble and ``c + 1`` in
-      its high nibble; an odd channel count leaves the last high nibble zero.
-    * ``scale``: INT4: float16 ``spec.metadata_shape(shape)``; NVFP4:
+    * ``payload``: uint8 ``[tokens, kv_heads, spec.payload_bytes_per_row(channels)]``.
+      4-bit formats: ``ceil(channels / 2)`` bytes; byte ``c // 2`` holds
+      channel ``c`` (even) in its low nibble and ``c + 1`` in its high nibble;
+      an odd channel count leaves the last high nibble zero. INT3:
+      ``ceil(3 * channels / 8)`` bytes (:func:`pack_triplets`).
+    * ``scale``: INT4 and INT3: float16 ``spec.metadata_shape(shape)``; NVFP4:
       float8_e4m3fn ``[tokens, kv_heads, ceil(channels / 16)]``.
-    * ``minimum``: INT4 only, float16, same shape as ``scale``; None for NVFP4.
+    * ``minimum``: INT4 and INT3 only, float16, same shape as ``scale``; None for NVFP4.
     * ``global_scale``: NVFP4 only, float32 ``[]``: the decode multiplier
       (``x ~ e2m1 * scale * global_scale``); None for INT4.
 
@@ -85,3 +87,33 @@ def unpack_nibbles(packed: jax.Array, channels: int) -> jax.Array:
     high = packed >> jnp.uint8(4)
     codes = jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
     return codes[..., :channels]
+
+
+def pack_triplets(codes: jax.Array) -> jax.Array:
+    """Pack uint8 codes ``[..., C]`` (values 0-7) into ``[..., ceil(3 * C / 8)]`` bytes.
+
+    A little-endian bit stream along the last axis: code ``c`` holds bits
+    ``3c .. 3c + 2``, bit ``b`` being bit ``b % 8`` of byte ``b // 8``. Every 8
+    codes fill 3 bytes (code ``8j + i`` at bits ``3i .. 3i + 2`` of the
+    little-endian 24-bit word in bytes ``3j .. 3j + 2``); the bits past
+    ``3 * C`` are zero.
+    """
+    channels = codes.shape[-1]
+    padded = -(-channels // 8) * 8
+    codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, padded - channels)])
+    octets = codes.reshape(*codes.shape[:-1], -1, 8).astype(jnp.uint32)
+    words = jnp.zeros(octets.shape[:-1], jnp.uint32)
+    for i in range(8):
+        words = words | (octets[..., i] << jnp.uint32(3 * i))
+    triples = jnp.stack([(words >> jnp.uint32(8 * k)) & jnp.uint32(0xFF) for k in range(3)], axis=-1)
+    return triples.reshape(*codes.shape[:-1], -1)[..., : (3 * channels + 7) // 8].astype(jnp.uint8)
+
+
+def unpack_triplets(packed: jax.Array, channels: int) -> jax.Array:
+    """Inverse of :func:`pack_triplets`: ``[..., ceil(3 * C / 8)]`` bytes to uint8 ``[..., C]``."""
+    padded = -(-channels // 8) * 3
+    packed = jnp.pad(packed, [(0, 0)] * (packed.ndim - 1) + [(0, padded - packed.shape[-1])])
+    triples = packed.reshape(*packed.shape[:-1], -1, 3).astype(jnp.uint32)
+    words = triples[..., 0] | (triples[..., 1] << jnp.uint32(8)) | (triples[..., 2] << jnp.uint32(16))
+    codes = jnp.stack([(words >> jnp.uint32(3 * i)) & jnp.uint32(7) for i in range(8)], axis=-1)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :channels].astype(jnp.uint8)

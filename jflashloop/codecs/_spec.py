@@ -6,19 +6,22 @@ import dataclasses
 import math
 from typing import Literal
 
-Format = Literal["int4", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated"]
+Format = Literal["int4", "int3", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated"]
 Axis = Literal["channel", "token"]
 
 NVFP4_BLOCK_SIZE = 16
-FORMATS = ("int4", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated")
+FORMATS = ("int4", "int3", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated")
+# Affine formats: float16 min and scale per group, codes 0..AFFINE_MAX_CODE[format].
+AFFINE_FORMATS = ("int4", "int3")
+AFFINE_MAX_CODE = {"int4": 15, "int3": 7}
 # Formats whose group is the whole head, rotated by a seeded randomized Hadamard.
 HEAD_ROTATED_FORMATS = ("int4_rotated", "int2_lloyd_max")
 # Formats rotated by a plain normalized Hadamard (over the head for e8, per group otherwise).
 PLAIN_ROTATED_FORMATS = ("e8", "int4_group_rotated")
 # Payload bits per element.
-CODE_BITS = {"int4": 4, "nvfp4": 4, "int4_rotated": 4, "int2_lloyd_max": 2, "e8": 2, "int4_group_rotated": 4}
+CODE_BITS = {"int4": 4, "int3": 3, "nvfp4": 4, "int4_rotated": 4, "int2_lloyd_max": 2, "e8": 2, "int4_group_rotated": 4}
 # Metadata bits per group.
-METADATA_BITS = {"int4": 32, "nvfp4": 8, "int4_rotated": 32, "int2_lloyd_max": 16, "e8": 16,
+METADATA_BITS = {"int4": 32, "int3": 32, "nvfp4": 8, "int4_rotated": 32, "int2_lloyd_max": 16, "e8": 16,
                  "int4_group_rotated": 16}
 
 
@@ -29,7 +32,8 @@ class CodecSpec:
     Frozen and hashable, so it is a static argument under ``jax.jit``.
 
     Attributes:
-      format: ``"int4"`` (affine: 4-bit codes, float16 min and scale per group)
+      format: ``"int4"`` (affine: 4-bit codes, float16 min and scale per group),
+        ``"int3"`` (the same affine rule with 3-bit codes 0..7, see below)
         or ``"nvfp4"`` (E2M1 codes, one E4M3 scale per 16 channels, one float32
         global scale per tensor); or one of the rotated formats (all
         ``axis="token"``, see :mod:`jflashloop.codecs._rotated`):
@@ -46,17 +50,34 @@ class CodecSpec:
         ``"token"``: per (token, kv_head) over groups of ``group_size``
         consecutive channels (the V layout). NVFP4 is ``"token"`` only.
       group_size: elements per quantization group (64 by default for INT4;
-        NVFP4's block is always 16). The last group may be partial (INT4 and
-        NVFP4 only).
+        NVFP4's block is always 16). The last group may be partial (INT4,
+        INT3 and NVFP4 only).
       rotation_seed: seed of the random signs of ``int4_rotated`` and
         ``int2_lloyd_max`` (recorded here so queries can take the same
         rotation); None for every other format.
+
+    INT3 (``"int3"``, either axis, any ``group_size``): per group, in float32,
+    ``min = amin(x)``, ``scale = (amax(x) - min) / 7`` (``1`` for a span below
+    ``2**-121``), ``code = clamp(rne((x - min) / scale), 0, 7)``; min and scale
+    are then stored as float16 (RNE, saturating at +-65504) and decoded as
+    ``code * float32(scale16) + float32(min16)``: INT4's rule (subnormal,
+    NaN and +-inf handling included) with 7 in place of 15. Arrays of a
+    ``[T, H, C]`` tensor: ``payload`` uint8 ``[T, H, ceil(3 * C / 8)]``;
+    ``minimum`` and ``scale`` float16 :meth:`metadata_shape`. Packing is a
+    little-endian bit stream along the channels of each (token, head) row:
+    channel ``c`` holds bits ``3c .. 3c + 2`` of the row, bit ``b`` being bit
+    ``b % 8`` of byte ``b // 8`` (so every 8 channels fill 3 bytes, channel
+    ``8j + i`` at bits ``3i .. 3i + 2`` of the little-endian 24-bit word in
+    bytes ``3j .. 3j + 2``); the bits past ``3 * C`` in the last byte are zero.
+    3 + 32 / G bits per element (3.5 at G = 64).
 
     Example:
       >>> CodecSpec("int4", "channel", 64)          # FlashLoop keys
       CodecSpec(format='int4', axis='channel', group_size=64)
       >>> CodecSpec("nvfp4", "token", 16).bits_per_element()
       4.5
+      >>> CodecSpec("int3", "token", 64).payload_bytes_per_row(64), CodecSpec("int3", "token", 64).bits_per_element()
+      (24, 3.5)
     """
 
     format: Format = "int4"
@@ -111,7 +132,7 @@ class CodecSpec:
             raise ValueError(f"e8 rotates the whole head: channels must be a power of two, got {channels}")
 
     def metadata_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
-        """Shape of the per-group scale (and INT4 minimum) array for a logical shape."""
+        """Shape of the per-group scale (and INT4 / INT3 minimum) array for a logical shape."""
         tokens, heads, channels = shape
         if self.format in HEAD_ROTATED_FORMATS:
             return (tokens, heads, 1)
