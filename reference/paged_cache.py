@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import rotations
+from .int3 import decode_int3, encode_int3
 from .int4 import decode_int4, encode_int4
 from .nvfp4 import decode_nvfp4, encode_nvfp4
 
@@ -26,9 +27,10 @@ def round_trip(tile: np.ndarray, codec) -> np.ndarray:
         seed = codec[3] if len(codec) > 3 else None
         rows = [ROW_CODECS[fmt](tile[r, 0], group_size, seed) for r in range(tile.shape[0])]
         return np.asarray(rows, np.float32)[:, None, :]
-    if fmt == "int4":
-        e = encode_int4(tile, axis, group_size)
-        return decode_int4(e["payload"], e["minimum"], e["scale"], axis, group_size, tile.shape)
+    if fmt in AFFINE_CODECS:
+        encode, decode = AFFINE_CODECS[fmt]
+        e = encode(tile, axis, group_size)
+        return decode(e["payload"], e["minimum"], e["scale"], axis, group_size, tile.shape)
     e = encode_nvfp4(tile)
     return decode_nvfp4(e["payload"], e["scale"], e["global_scale"], tile.shape)
 
@@ -51,6 +53,7 @@ def _round_trip_int4_group_rotated(vector, group_size, seed):
     return rotations.decode_int4_group_rotated_vector(codes, scales, group_size)
 
 
+AFFINE_CODECS = {"int4": (encode_int4, decode_int4), "int3": (encode_int3, decode_int3)}
 ROW_CODECS = {
     "int4_rotated": _round_trip_int4_rotated,
     "int2_lloyd_max": _round_trip_int2,

@@ -29,6 +29,8 @@ ON_GPU = jax.default_backend() == "gpu"
 def _oracle_tile(tile, spec):
     if spec.format == "int4":
         return reference.encode_int4(tile[:, None, :], spec.axis, spec.group_size)
+    if spec.format == "int3":
+        return reference.encode_int3(tile[:, None, :], spec.axis, spec.group_size)
     return reference.encode_nvfp4(tile[:, None, :])
 
 
@@ -41,7 +43,7 @@ def _assert_stream_matches_oracle(stream, tiles, spec):
             expected = _oracle_tile(tiles[head, page], spec)
             assert_bits_equal(payload[head, page], expected["payload"][:, 0], "payload")
             assert_bits_equal(np.asarray(stream.scale[head, page]), expected["scale"][:, 0], "scale")
-            if spec.format == "int4":
+            if spec.format in ("int4", "int3"):
                 assert_bits_equal(np.asarray(stream.minimum[head, page]), expected["minimum"][:, 0], "minimum")
             else:
                 assert_bits_equal(
@@ -107,6 +109,20 @@ def test_page_pair_kernel_is_bit_exact_with_oracle(rng, pair, sink_tokens, case)
 
     _assert_stream_matches_oracle(key_stream, masked(keys), key_spec)
     _assert_stream_matches_oracle(value_stream, masked(values), value_spec)
+
+
+def test_int3_tiles_take_the_codec_path_on_every_implementation(rng):
+    """No quantize kernel reads INT3: "pallas" falls back to the codec, whose bits match the oracle."""
+    key_spec, value_spec = jflashloop.CodecSpec("int3", "channel", 16), jflashloop.CodecSpec("int3", "token", 32)
+    keys = rng.standard_normal((2, 16, 2, 32)).astype(np.float32) * 3 + 1  # [pages, rows, heads, D]
+    values = rng.standard_normal((2, 16, 2, 32)).astype(np.float32)
+    pages = jnp.array([0, 1], jnp.int32)
+    streams = {implementation: encode_pages(jnp.asarray(keys), jnp.asarray(values), pages, key_spec, value_spec, 0,
+                                            implementation) for implementation in ("pallas", "xla")}
+    for stream, x, spec in zip(streams["pallas"], (keys, values), (key_spec, value_spec), strict=True):
+        _assert_stream_matches_oracle(stream, x.transpose(2, 0, 1, 3), spec)
+    for a, b in zip(jax.tree.leaves(streams["pallas"]), jax.tree.leaves(streams["xla"]), strict=True):
+        assert_bits_equal(np.asarray(a), np.asarray(b), "pallas request against xla")
 
 
 def test_page_pair_kernel_rejects_bad_arguments():

@@ -21,6 +21,7 @@ from tests.builders import (
     assert_matches_oracle,
     build,
     hole_cache,
+    int3_config,
     looped_tokens,
     lost_page_cache,
     lost_page_config,
@@ -55,6 +56,17 @@ def test_nvfp4_residual_streams_match_oracle(rng):
     config = nvfp4_residual_config()
     cache, history = build(rng, config, prompt_lengths=[50, 17], steps=20)
     assert_matches_oracle(cache, history.keys, history.values, layers=[1])
+
+
+def test_int3_streams_match_oracle(rng):
+    config = int3_config(max_sequences=2, num_loops=3)  # base, dense residual, sparse residual
+    cache, history = build(rng, config, prompt_lengths=[37, 17], steps=0)
+    assert_matches_oracle(cache, history.keys, history.values, layers=[1])
+
+
+def test_int3_pages_need_whole_words():
+    with pytest.raises(ValueError, match="int3 pages need head_dim divisible by 32"):
+        int3_config(head_dim=16)
 
 
 @pytest.mark.parametrize("page_size", [32, 64])
@@ -197,6 +209,21 @@ def test_storage_accounting_matches_arrays_and_hand_count():
     assert storage.sequence_bytes(config, 40) == LAYERS * (2 * expected.total + windows)
 
 
+def test_int3_storage_accounting_matches_arrays_and_hand_count():
+    config = int3_config()
+    # Per (page, head) tile with page 16, head_dim 32 (a row's payload: 32 * 3 / 8 = 12 bytes):
+    # K INT3 channel G16: payload 16*12=192 + 1 group x 32 channels x 4 B = 128 -> 320
+    # V INT3 token G32:   payload 192 + 16 rows x 1 group x 4 B = 64           -> 256
+    # sparse 4 rows (token G32): K 4*12+4*4=64, V 64, positions 4               -> 132
+    # sparse 2 rows: K 2*12+2*4=32, V 32, positions 2                           -> 66
+    expected = storage.PageBytes(loops=(2 * 576, 2 * 576, 2 * 132, 2 * 66), total=2 * (576 + 576 + 132 + 66))
+    assert storage.page_bytes(config) == expected
+    cache = paged_cache.create(config)
+    pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache.layers[0].loops))
+    assert pool_bytes == expected.total * config.num_pages
+    assert cache.layers[0].loops[0].keys.payload.shape == (HEADS, config.num_pages, 16, 3)  # 12 bytes as 3 words
+
+
 def test_ouro_storage_figure():
     config = storage.config_for(storage.OURO_1_4B)
     bf16 = storage.unquantized_bytes_per_token(config)
@@ -269,6 +296,15 @@ def test_nonfinite_inputs_are_stored_as_zero_counted_and_flagged(rng):
     assert bool(jnp.isfinite(out).all())
     freed = paged_cache.free(cache, 0)
     assert int(freed.nonfinite_counts[0]) == 0 and int(freed.error_flags[0]) == 0
+
+
+def test_int3_saturation_is_counted_from_its_metadata(rng):
+    config = int3_config(num_loops=1, max_sequences=1)
+    keys, values = looped_tokens(rng, config, 40)
+    values[0, 0, 10, 1, :] -= 7e4  # in page 0: the min of the V group (token 10, head 1) is beyond float16
+    cache = _prefill(paged_cache.create(config), 0, keys, values, 40)
+    assert cache.error_flags[0] & paged_cache.ERROR_SATURATED
+    assert int(cache.saturation_counts[0]) == 32  # the group's 32 members
 
 
 def test_saturation_is_counted_per_sequence(rng):

@@ -28,7 +28,10 @@ def _looped(rng, loops, shape, drift=0.1):
     return out
 
 
-@pytest.mark.parametrize("spec", [jflashloop.INT4_KEYS, jflashloop.INT4_VALUES, NVFP4_RESIDUAL],
+INT3_KEYS, INT3_VALUES = jflashloop.CodecSpec("int3", "channel", 64), jflashloop.CodecSpec("int3", "token", 64)
+
+
+@pytest.mark.parametrize("spec", [jflashloop.INT4_KEYS, jflashloop.INT4_VALUES, NVFP4_RESIDUAL, INT3_KEYS, INT3_VALUES],
                          ids=lambda s: f"{s.format}-{s.axis}")
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_residual_matches_oracle(rng, spec, sparse):

@@ -169,6 +169,9 @@ class CacheConfig:
                     raise ValueError(f"{where}: {error}") from None
                 if spec.format in ("int2_lloyd_max", "e8") and self.head_dim % 16:
                     raise ValueError(f"{where}: {spec.format} pages need head_dim divisible by 16")
+                if spec.format == "int3" and self.head_dim % 32:
+                    raise ValueError(f"{where}: int3 pages need head_dim divisible by 32 (a row's "
+                                     "3 * head_dim / 8 bytes in whole 32-bit words)")
                 if spec.axis == "channel" and loop.is_sparse:
                     raise ValueError(f"{where}: a sparse loop must group per token (axis='token')")
                 if spec.axis == "channel" and self.page_size % spec.group_size:

@@ -16,14 +16,17 @@ heads can be sharded across devices without cross-device reductions.
 
 Tile layout (head-major, so one tile is contiguous in memory):
 
-* ``payload``: uint32 ``[kv_heads, pages, rows, head_dim / 8]``: the codec's
-  bytes read as little-endian words (:func:`words_from_bytes`), so channel
-  ``8w + i`` is nibble ``i`` of word ``w`` (kernels load 8 codes per 32-bit
-  load; the bytes in memory are exactly the codec's payload)
-* ``scale``: INT4 channel axis: float16 ``[kv_heads, pages, rows / group, head_dim]``;
-  INT4 token axis: float16 ``[kv_heads, pages, rows, ceil(head_dim / group)]``;
+* ``payload``: uint32 ``[kv_heads, pages, rows, payload_bytes_per_row(head_dim) / 4]``
+  (``head_dim / 8`` for the 4-bit formats): the codec's bytes read as
+  little-endian words (:func:`words_from_bytes`), so for a 4-bit format
+  channel ``8w + i`` is nibble ``i`` of word ``w`` (kernels load 8 codes per
+  32-bit load; the bytes in memory are exactly the codec's payload). INT3
+  rows take ``3 * head_dim / 32`` words (its bit stream, 32 codes per 3
+  words; no kernel reads it)
+* ``scale``: INT4 / INT3 channel axis: float16 ``[kv_heads, pages, rows / group, head_dim]``;
+  INT4 / INT3 token axis: float16 ``[kv_heads, pages, rows, ceil(head_dim / group)]``;
   NVFP4: float8_e4m3fn ``[kv_heads, pages, rows, ceil(head_dim / 16)]``
-* ``minimum``: INT4 only, like ``scale``
+* ``minimum``: INT4 and INT3 only, like ``scale``
 * ``global_scale``: NVFP4 only, float32 ``[kv_heads, pages]`` (per tile)
 
 ``error_flags`` hold the ``ERROR_*`` bits below (``jflashloop.paged_cache``

@@ -32,6 +32,7 @@ import numpy as np
 from .. import _chains
 from ..codecs import CodecSpec, decode
 from ..codecs._rotated import int4_rotated_input
+from ..codecs._spec import AFFINE_FORMATS
 from ..codecs._statistics import int4_saturated_groups, nvfp4_saturated
 from ..ops import _dispatch
 from ..ops._page_quantization import (
@@ -92,7 +93,7 @@ def input_saturations(rows: jax.Array, spec: CodecSpec) -> jax.Array:
 def stream_saturations(stream: PagedStream) -> jax.Array:
     """int32 ``[pages]``: elements of each tile stored at the format's limit.
 
-    INT4: members of groups whose stored float16 min or scale saturated
+    INT4 and INT3: members of groups whose stored float16 min or scale saturated
     (:func:`~jflashloop.codecs._statistics.int4_saturated_groups`); NVFP4:
     every element of a tile whose float32 tensor scale is not finite
     (:func:`~jflashloop.codecs._statistics.nvfp4_saturated`). ``int4_rotated``
@@ -100,7 +101,7 @@ def stream_saturations(stream: PagedStream) -> jax.Array:
     rotated formats are not counted.
     """
     spec = stream.spec
-    if spec.format not in ("int4", "nvfp4"):
+    if spec.format not in (*AFFINE_FORMATS, "nvfp4"):
         return jnp.zeros((stream.payload.shape[1],), jnp.int32)
     if spec.format == "nvfp4":
         bad = nvfp4_saturated(stream.global_scale)  # [heads, pages]
