@@ -14,6 +14,8 @@ from jflashloop import CodecSpec, allocation, int2_lloyd_max
 INT4_G64 = allocation.Candidate("int4 g64", jflashloop.INT4_KEYS, jflashloop.INT4_VALUES)
 INT4_G32 = allocation.Candidate("int4 g32", CodecSpec("int4", "channel", 32), CodecSpec("int4", "token", 32))
 INT2 = allocation.Candidate("int2", int2_lloyd_max(64, 0), int2_lloyd_max(64, 1))
+INT3_G32 = allocation.Candidate("int3 g32", CodecSpec("int3", "channel", 32), CodecSpec("int3", "token", 32))
+INT3_G64 = allocation.Candidate("int3 g64", CodecSpec("int3", "channel", 64), CodecSpec("int3", "token", 64))
 
 
 def brute_force(errors, costs, budget):
@@ -80,6 +82,30 @@ def test_candidate_bits_counts_full_pages_and_the_windows():
         allocation.candidate_bits(INT4_G64, num_kv_heads=3, head_dim=64, context_tokens=0)
 
 
+def test_candidate_bits_price_int3_exactly():
+    # INT3: 3-bit codes plus a float16 min and scale per group; same windows as INT4.
+    for candidate, page_bits in ((INT3_G64, 3 + 32 / 64), (INT3_G32, 3 + 32 / 32)):
+        bits = allocation.candidate_bits(candidate, num_kv_heads=3, head_dim=64, context_tokens=4096)
+        assert bits == pytest.approx(page_bits + (4 + 64) * 16 / 4096)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        allocation.candidate_bits(INT3_G64, num_kv_heads=3, head_dim=48, context_tokens=4096)
+
+
+def test_an_int3_policy_file_round_trips_and_makes_its_cache(tmp_path):
+    policy = allocation.policy_for("with int3", [INT4_G64, INT3_G32, INT3_G64], [1, 0, 2])
+    path = tmp_path / "policy.json"
+    allocation.save_policy(path, policy)
+    assert json.loads(path.read_text())["layers"][0]["keys"] == {
+        "format": "int3", "axis": "channel", "group_size": 32, "rotation_seed": None}
+    loaded = allocation.load_policy(path)
+    assert loaded == policy
+    config = loaded.cache_config(num_layers=3, num_kv_heads=2, head_dim=64, max_tokens=256)
+    assert [config.layer(i).loops[0].value_spec for i in range(3)] == [INT3_G32.value_spec, INT4_G64.value_spec,
+                                                                         INT3_G64.value_spec]
+    with pytest.raises(ValueError, match="int3 pages need head_dim divisible by 32"):
+        loaded.cache_config(num_layers=3, num_kv_heads=2, head_dim=48, max_tokens=256)
+
+
 def test_a_policy_file_round_trips_and_makes_its_cache(tmp_path):
     policy = allocation.policy_for("mixed", [INT4_G64, INT4_G32, INT2], [0, 2, 1], recent_tokens=64)
     path = tmp_path / "policy.json"
@@ -112,6 +138,7 @@ def _document():
     (lambda d: d["layers"][1].pop("values"), r"layers\[1\] must be an object"),
     (lambda d: d["layers"][0]["keys"].update(bits=4), r"layers\[0\].keys has unknown fields"),
     (lambda d: d["layers"][0]["values"].update(group_size=0), r"layers\[0\].values is not a valid CodecSpec"),
+    (lambda d: d["layers"][0]["values"].update(format="int5"), r"layers\[0\].values is not a valid CodecSpec"),
     (lambda d: d["layers"][0].update(keys=[1, 2]), r"layers\[0\].keys must be an object"),
     (lambda d: d.update(metadata=[1]), "metadata must be an object"),
 ])

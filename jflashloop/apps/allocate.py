@@ -51,15 +51,22 @@ UNIFORM_NAME = "K int4/ch G64 + V int4/tok G64"
 
 
 def candidates(head_dim: int) -> list[allocation.Candidate]:
-    """Every pair of a key codec (INT4 per channel over 16/32/64 tokens, INT2 Lloyd-Max) and a value
-    codec (INT4 per token over 16/32/64 channels, group-rotated symmetric INT4 over 32/64 channels,
-    NVFP4, INT2 Lloyd-Max)."""
+    """Every pair of a key codec (INT4 per channel over 16/32/64 tokens, INT3 per channel over 32/64
+    tokens, INT2 Lloyd-Max) and a value codec (INT4 per token over 16/32/64 channels, INT3 per token over
+    32/64 channels, group-rotated symmetric INT4 over 32/64 channels, NVFP4, INT2 Lloyd-Max).
+
+    The INT3 codecs are left out when ``head_dim`` is not a multiple of 32 (INT3 pages store a row's
+    ``3 * head_dim / 8`` bytes in whole 32-bit words)."""
+    int3 = head_dim % 32 == 0
     keys = [("K int4/ch G16", CodecSpec("int4", "channel", 16)), ("K int4/ch G32", CodecSpec("int4", "channel", 32)),
             ("K int4/ch G64", INT4_KEYS), ("K int2 LM", int2_lloyd_max(head_dim, 0))]
     values = [("V int4/tok G16", CodecSpec("int4", "token", 16)), ("V int4/tok G32", CodecSpec("int4", "token", 32)),
               ("V int4/tok G64", INT4_VALUES), ("V int4 rot G32", CodecSpec("int4_group_rotated", "token", 32)),
               ("V int4 rot G64", INT4_GROUP_ROTATED_VALUES), ("V nvfp4", NVFP4),
               ("V int2 LM", int2_lloyd_max(head_dim, 1))]
+    if int3:
+        keys += [("K int3/ch G32", CodecSpec("int3", "channel", 32)), ("K int3/ch G64", CodecSpec("int3", "channel", 64))]
+        values += [("V int3/tok G32", CodecSpec("int3", "token", 32)), ("V int3/tok G64", CodecSpec("int3", "token", 64))]
     return [allocation.Candidate(f"{k} + {v}", key, value) for (k, key), (v, value) in itertools.product(keys, values)]
 
 

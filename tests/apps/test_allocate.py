@@ -19,6 +19,17 @@ def test_the_candidates_span_two_to_six_bits_and_include_uniform_int4():
     assert min(bits) == pytest.approx(2.25, abs=2e-3) and max(bits) == pytest.approx(6.0, abs=2e-3)
 
 
+def test_the_int3_candidates_sit_between_int2_and_int4():
+    names = {c.name: c for c in allocate.candidates(64)}
+    for keys in ("K int3/ch G32", "K int3/ch G64"):
+        for values in ("V int3/tok G32", "V int3/tok G64", "V int4/tok G64"):
+            assert f"{keys} + {values}" in names
+    bits = allocation.candidate_bits(names["K int3/ch G64 + V int3/tok G64"], num_kv_heads=3, head_dim=64,
+                                     context_tokens=1 << 20)
+    assert bits == pytest.approx(3.5, abs=2e-3)  # 3 + 32/64
+    assert all("int3" not in c.name for c in allocate.candidates(16))  # 16 * 3 / 8 bytes: not whole words
+
+
 def test_the_lean_budget_is_the_smallest_that_reaches_the_target():
     # Two layers; candidate 0 costs 4 bits (error 1 per layer), candidate 1 costs 2 bits (error 1.5 at
     # layer 0, 1.0 at layer 1): layer 1 can drop to 2 bits for free, layer 0 cannot.
