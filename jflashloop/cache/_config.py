@@ -81,6 +81,9 @@ class CacheConfig:
         are stored as ``layer_loops[i]`` (``loops`` then only gives the loop
         count). :meth:`layer` gives the config of one layer's pages.
 
+    ``head_dim`` must be a multiple of 8 (16 for ``int2_lloyd_max`` and ``e8``
+    streams, 32 for ``int3`` streams: a page row's payload is whole 32-bit words).
+
     Every count above (and ``LoopStorage.sparse_rows_per_page``) must be a
     Python ``int``: a float or a bool raises ``TypeError``, a value out of
     range ``ValueError`` (the cache indexes pages, slots and tokens with

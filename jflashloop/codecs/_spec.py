@@ -73,7 +73,7 @@ class CodecSpec:
 
     Example:
       >>> CodecSpec("int4", "channel", 64)          # FlashLoop keys
-      CodecSpec(format='int4', axis='channel', group_size=64)
+      CodecSpec(format='int4', axis='channel', group_size=64, rotation_seed=None)
       >>> CodecSpec("nvfp4", "token", 16).bits_per_element()
       4.5
       >>> CodecSpec("int3", "token", 64).payload_bytes_per_row(64), CodecSpec("int3", "token", 64).bits_per_element()
