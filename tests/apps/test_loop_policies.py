@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jflashloop import INT4_KEYS, INT4_VALUES, NVFP4, LoopStorage, int2_lloyd_max
+from jflashloop import INT4_KEYS, INT4_VALUES, NVFP4, CodecSpec, LoopStorage, int2_lloyd_max
 from jflashloop.apps import loops
 from jflashloop.apps.loops import policies
 from jflashloop.models import ouro
@@ -30,8 +30,11 @@ def test_loop_storage_reads_each_kind_of_entry():
     assert policies.loop_storage("int4/int2", 64) == LoopStorage(INT4_KEYS, int2)
     assert policies.loop_storage("int4 16", 64) == LoopStorage(INT4_VALUES, INT4_VALUES, 16)
     assert policies.loop_storage("nvfp4 7", 64) == LoopStorage(NVFP4, NVFP4, 7)
+    int3_keys, int3_values = CodecSpec("int3", "channel", 64), CodecSpec("int3", "token", 64)
+    assert policies.loop_storage("int3", 64) == LoopStorage(int3_keys, int3_values)
+    assert policies.loop_storage("int3 16", 64) == LoopStorage(int3_values, int3_values, 16)
     with pytest.raises(ValueError, match="unknown residual codec"):
-        policies.loop_storage("int3", 64)
+        policies.loop_storage("int5", 64)
 
 
 def test_bytes_per_token_of_the_flashloop_policy():

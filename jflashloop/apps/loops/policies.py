@@ -11,7 +11,8 @@ A policy is one entry per loop, the base first: ``"int4"`` (dense INT4 G64, K
 per channel over the page, V per token), ``"int2"`` (dense INT2 Lloyd-Max K
 and V), ``"int4/int2"`` (K INT4, V INT2) and so on, or ``"<codec> <rows>"`` for
 a sparse residual of ``rows`` rows per 64-token page (codecs per token:
-``int4``, ``nvfp4``, ``int2``). :func:`loop_storage` reads one entry. The
+``int4``, ``int3``, ``nvfp4``, ``int2``; ``int3`` is INT3 G64, K per channel
+when dense). :func:`loop_storage` reads one entry. The
 tables count loops as the report does (loops run: loop 1 is the base).
 """
 
@@ -69,17 +70,26 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "int2 V base": ("int4/int2", "int4", "int4 16", "int4 7"),
     "int2 V loop 2, rows 2/1": ("int4", "int4/int2", "int2 2", "int2 1"),
     "int2 K loop 2, rows 2/1": ("int4", "int2/int4", "int2 2", "int2 1"),
+    "int3 loop 2": ("int4", "int3", "int4 16", "int4 7"),
+    "int3 loop 2, int3 rows": ("int4", "int3", "int3 16", "int3 7"),
+    "int3 loop 2, int2 rows 24/10": ("int4", "int3", "int2 24", "int2 10"),
+    "int3 loop 2, rows 8/2": ("int4", "int3", "int4 8", "int4 2"),
+    "int3 base": ("int3", "int4", "int4 16", "int4 7"),
+    "int3 loops 1-2, int2 rows 24/10": ("int3", "int3", "int2 24", "int2 10"),
+    "int3 loops 1-2, int2 rows 16/4": ("int3", "int3", "int2 16", "int2 4"),
 }
 
 
 def _spec(codec: str, dense_key: bool, head_dim: int) -> CodecSpec:
     if codec == "int4":
         return INT4_KEYS if dense_key else INT4_VALUES
+    if codec == "int3":
+        return CodecSpec("int3", "channel", 64) if dense_key else CodecSpec("int3", "token", 64)
     if codec == "nvfp4":
         return NVFP4
     if codec == "int2":
         return int2_lloyd_max(head_dim, 0)
-    raise ValueError(f"unknown residual codec {codec!r} (int4, nvfp4 or int2)")
+    raise ValueError(f"unknown residual codec {codec!r} (int4, int3, nvfp4 or int2)")
 
 
 def loop_storage(entry: str, head_dim: int) -> LoopStorage:
