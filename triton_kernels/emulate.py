@@ -156,15 +156,18 @@ def _e2m1(words) -> list[np.ndarray]:
     return [_E2M1[n.astype(np.int64)] for n in _nibbles(words)]
 
 
+def _e2m1_scaled(values, scale):  # e2m1 * scale / 2**14, one float16 rounding (subnormals kept)
+    return (values * 2.0**-14 * np.asarray(scale, np.float64)).astype(np.float16)
+
+
 def _e2m1_keys(words, scale):
-    return tuple(_t((v * np.asarray(scale, np.float64)).astype(np.float16)) for v in _e2m1(words))
+    return tuple(_t(_e2m1_scaled(v, scale)) for v in _e2m1(words))
 
 
 def _e2m1_value_pairs(even, odd, s_even, s_odd):
     out = []
     for e, o in zip(_e2m1(even), _e2m1(odd), strict=True):
-        out += [_t((e * np.asarray(s_even, np.float64)).astype(np.float16)),
-                _t((o * np.asarray(s_odd, np.float64)).astype(np.float16))]
+        out += [_t(_e2m1_scaled(e, s_even)), _t(_e2m1_scaled(o, s_odd))]
     return tuple(out)
 
 
@@ -236,6 +239,7 @@ def _gluon_namespace():
     g.zeros = lambda shape, dtype, layout=None: _t(np.zeros(shape, _np_dtype(dtype)))
     g.full = lambda shape, value, dtype, layout=None: _t(np.full(shape, value, _np_dtype(dtype)))
     g.zeros_like = lambda x: _t(np.zeros_like(x))
+    g.full_like = lambda x, value, **_: _t(np.full_like(x, value))
     g.expand_dims = lambda x, axis: _t(np.expand_dims(x, axis))
     g.join = lambda a, b: _t(np.stack(np.broadcast_arrays(a, b), axis=-1))
     g.split = lambda x: (_t(x[..., 0]), _t(x[..., 1]))

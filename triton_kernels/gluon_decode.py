@@ -429,20 +429,23 @@ def _value_pair_asm_v2() -> str:
 _VALUE_PAIR_ASM_V2 = gl.constexpr(_value_pair_asm_v2())
 
 # NVFP4: an E2M1 nibble pair (at bits 0-3 and 16-19, sign in bit 3) placed as
-# float16 bits is the value / 2**14; x 2**14 and x the E4M3 scale are exact
-# (at most 6 significant bits, within float16's range).
+# float16 bits is the value / 2**14 (0.5 as the subnormal 2**-15); x the E4M3
+# scale gives ``e2m1 * scale / 2**14`` (rounded only below float16's normal range,
+# 2**-11 of a tile scale at most); the 2**14 joins the tile's float32 scale
+# (NVFP4_UNIT), which multiplies each product.
+NVFP4_UNIT = gl.constexpr(16384.0)
 _E2M1_PAIR = """shl.b32 m, {src}, 9;
 shl.b32 s, {src}, 12;
 and.b32 s, s, 0x80008000;
 lop3.b32 a, m, 0x0E000E00, s, 0xEA;
-mul.rn.f16x2 a, a, k;
 mul.rn.f16x2 a, a, l;
 """
 
 
 def _e2m1_key_asm() -> str:
-    """One word and its E4M3 scale (float16) -> 8 float16 values (nibble order of the key codes)."""
-    lines = ["{", ".reg .b32 a, t, m, s, k, l;", "mov.b32 k, 0x74007400;", "mov.b32 l, {$9, $9};"]
+    """One word and its E4M3 scale (float16) -> 8 float16 ``e2m1 * scale / 2**14`` (nibble order of the key
+    codes)."""
+    lines = ["{", ".reg .b32 a, t, m, s, l;", "mov.b32 l, {$9, $9};"]
     for pair in range(4):
         source = "$8"
         if pair:
@@ -454,8 +457,9 @@ def _e2m1_key_asm() -> str:
 
 
 def _e2m1_value_pair_asm() -> str:
-    """Two tokens' words and their E4M3 scales (float16) -> 8 float16 pairs (nibble i of each token)."""
-    lines = ["{", ".reg .b32 x, y, t, a, m, s, k, l;", "mov.b32 k, 0x74007400;", "mov.b32 l, {$18, $19};",
+    """Two tokens' words and their E4M3 scales (float16) -> 8 float16 pairs ``e2m1 * scale / 2**14`` (nibble i
+    of each token)."""
+    lines = ["{", ".reg .b32 x, y, t, a, m, s, l;", "mov.b32 l, {$18, $19};",
              "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;"]
     for nibble in range(8):
         source, shift = ("x", 4 * nibble) if nibble < 4 else ("y", 4 * (nibble - 4))
@@ -806,20 +810,19 @@ def _value_tile_v2(tile, scale, minimum, PAGE: gl.constexpr, W: gl.constexpr, D:
 
 @gluon.jit
 def _e4m3_to_float16(bits):
-    """float16 values of E4M3 bit patterns (uint8, non-negative, not NaN; exact)."""
-    bits = bits.to(gl.int32)
-    exponent = (bits >> 3) & 15
-    mantissa = bits & 7
-    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(gl.float32, bitcast=True)
-    subnormal = mantissa.to(gl.float32) * 0.001953125  # 2**-9
-    return gl.where(exponent == 0, subnormal, normal).to(gl.float16)
+    """float16 values of E4M3 bit patterns (uint8, non-negative, not NaN; exact).
+
+    The bits moved up by 7 are the float16 of ``value / 256`` (E4M3's bias is 8 below float16's;
+    E4M3 subnormals land on float16 subnormals), and x 256 is exact."""
+    scaled = (bits.to(gl.int16) << 7).to(gl.float16, bitcast=True)
+    return scaled * gl.full_like(scaled, 256.0)
 
 
 @gluon.jit
 def _nvfp4_key_tile(words, scale_bytes, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
                     B_LAYOUT: gl.constexpr):
-    """NVFP4 key words ``[PAGE, W]`` and E4M3 scales ``[PAGE, D/16]`` -> ``e2m1 * scale`` ``[D, PAGE]``
-    (float16, exact, logical key order) in ``B_LAYOUT``."""
+    """NVFP4 key words ``[PAGE, W]`` and E4M3 scales ``[PAGE, D/16]`` -> ``e2m1 * scale / NVFP4_UNIT``
+    ``[D, PAGE]`` (float16, logical key order) in ``B_LAYOUT``."""
     words = gl.reshape(words, [PAGE, W // 2, 2])  # a scale per two words (16 channels)
     local = gl.convert_layout(_e4m3_to_float16(scale_bytes), gl.SliceLayout(2, words.type.layout))
     c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
@@ -837,7 +840,7 @@ def _nvfp4_key_tile(words, scale_bytes, PAGE: gl.constexpr, W: gl.constexpr, D: 
 def _nvfp4_value_tile(tile, scale_bytes, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
                       A_LAYOUT: gl.constexpr):
     """NVFP4 value words ``[PAGE, W]`` and E4M3 scales ``[PAGE, D/16]`` -> ``V^T [D, PAGE]``
-    (``e2m1 * scale``, float16, exact) in ``A_LAYOUT``."""
+    (``e2m1 * scale / NVFP4_UNIT``, float16) in ``A_LAYOUT``."""
     NG: gl.constexpr = D // 16
     even, odd = gl.split(gl.permute(gl.reshape(tile, [PAGE // 2, 2, W]), [0, 2, 1]))
     local = _e4m3_to_float16(scale_bytes)
@@ -1033,8 +1036,8 @@ def _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, tile, stage, zeros_b8, zeros_
                 PRECISE: gl.constexpr):
     """Per-page terms of one stream: INT4 ``(scaled query, q . min)``; NVFP4 the tile's
     float32 key and value scales (read straight from memory)."""
-    if FORMAT == NVFP4:
-        terms = (gl.load(km_ptr + tile), gl.load(vm_ptr + tile))
+    if FORMAT == NVFP4:  # the tiles hold e2m1 * scale / NVFP4_UNIT
+        terms = (gl.load(km_ptr + tile) * NVFP4_UNIT, gl.load(vm_ptr + tile) * NVFP4_UNIT)
     elif FORMAT == INT4:
         terms = _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D, W, A_OP, B8, KM, PRECISE)
     else:  # ROTATED: the scales are per token, read with the tiles
