@@ -25,3 +25,19 @@ def assert_bits_equal(actual, expected, what: str) -> None:
             f"got {np.asarray(actual)[first]!r} (bits {actual_bits[first]:#x}), "
             f"expected {np.asarray(expected)[first]!r} (bits {expected_bits[first]:#x})"
         )
+
+
+def assert_matches_affine_oracle(packed, statistics, decoded, x, spec, oracle_encode, oracle_decode) -> None:
+    """An affine codec's (INT4, INT3) encode and decode against its numpy oracle, bit for bit.
+
+    ``packed``/``statistics``/``decoded``: what the library gave for ``x`` under ``spec``;
+    ``oracle_encode``/``oracle_decode``: e.g. ``reference.encode_int4`` and ``reference.decode_int4``.
+    """
+    expected = oracle_encode(x, spec.axis, spec.group_size)
+    for name in ("payload", "minimum", "scale"):
+        assert_bits_equal(getattr(packed, name), expected[name], name)
+    assert int(statistics.nonfinite) == expected["nonfinite"]
+    assert int(statistics.saturated) == expected["saturated"]
+    oracle_decoded = oracle_decode(expected["payload"], expected["minimum"], expected["scale"], spec.axis,
+                                   spec.group_size, x.shape)
+    assert_bits_equal(decoded, oracle_decoded, "decoded")

@@ -16,7 +16,7 @@ import jflashloop
 import jflashloop_reference as reference
 from jflashloop import CodecSpec, checked
 from jflashloop.codecs import encode_with_statistics, pack_triplets, unpack_triplets
-from tests.bits import assert_bits_equal
+from tests.bits import assert_bits_equal, assert_matches_affine_oracle
 from tests.cases import CASES
 from tests.test_properties import codec_inputs
 
@@ -41,17 +41,8 @@ def _encode_decode(x, spec, implementation=None):
 
 def assert_matches_oracle(x: np.ndarray, spec: CodecSpec, implementation=None):
     packed, statistics, decoded = _encode_decode(jnp.asarray(x), spec, implementation)
-    expected = reference.encode_int3(x, spec.axis, spec.group_size)
     assert packed.payload.shape == (*x.shape[:2], spec.payload_bytes_per_row(x.shape[2]))
-    assert_bits_equal(packed.payload, expected["payload"], "payload")
-    assert_bits_equal(packed.minimum, expected["minimum"], "minimum")
-    assert_bits_equal(packed.scale, expected["scale"], "scale")
-    assert int(statistics.nonfinite) == expected["nonfinite"]
-    assert int(statistics.saturated) == expected["saturated"]
-    oracle_decoded = reference.decode_int3(
-        expected["payload"], expected["minimum"], expected["scale"], spec.axis, spec.group_size, x.shape
-    )
-    assert_bits_equal(decoded, oracle_decoded, "decoded")
+    assert_matches_affine_oracle(packed, statistics, decoded, x, spec, reference.encode_int3, reference.decode_int3)
     assert not np.isnan(np.asarray(decoded)).any()
     return packed
 

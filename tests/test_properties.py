@@ -21,7 +21,7 @@ import jflashloop
 import jflashloop_reference as reference
 from jflashloop import CacheConfig, LoopStorage, paged_cache, persistence
 from jflashloop.codecs import encode_with_statistics
-from tests.bits import assert_bits_equal
+from tests.bits import assert_bits_equal, assert_matches_affine_oracle
 from tests.builders import History, oracle_sequence
 
 F32 = np.float32
@@ -91,16 +91,7 @@ NVFP4_SHAPES = [(1, 1, 1), (2, 1, 17), (3, 2, 16), (1, 1, 33), (4, 1, 7)]
 @given(x=codec_inputs(INT4_SHAPES), spec=st.sampled_from(INT4_SPECS))
 def test_int4_matches_oracle_on_any_input(x, spec):
     packed, statistics, decoded = _encode_decode(jnp.asarray(x), spec)
-    expected = reference.encode_int4(x, spec.axis, spec.group_size)
-    assert_bits_equal(packed.payload, expected["payload"], "payload")
-    assert_bits_equal(packed.minimum, expected["minimum"], "minimum")
-    assert_bits_equal(packed.scale, expected["scale"], "scale")
-    assert int(statistics.nonfinite) == expected["nonfinite"]
-    assert int(statistics.saturated) == expected["saturated"]
-    oracle_decoded = reference.decode_int4(
-        expected["payload"], expected["minimum"], expected["scale"], spec.axis, spec.group_size, x.shape
-    )
-    assert_bits_equal(decoded, oracle_decoded, "decoded")
+    assert_matches_affine_oracle(packed, statistics, decoded, x, spec, reference.encode_int4, reference.decode_int4)
     # Never a NaN out, and stored metadata always finite.
     assert np.isfinite(np.asarray(packed.minimum, np.float32)).all()
     assert np.isfinite(np.asarray(packed.scale, np.float32)).all()
