@@ -21,27 +21,32 @@ def int4_exact_ties(rng, shape):
     return values
 
 
-def int4_division_ties(rng, shape):
-    """Values within an ulp of (k + 0.5) * scale for an inexact scale.
+def affine_division_ties(rng, shape, *, max_code: int = 15, nudge: int = 2, token_pin: int = 16,
+                         channel_pin: int = 16):
+    """Values within an ulp of (k + 0.5) * scale for an inexact scale = span / ``max_code``.
 
     The code then depends on the last bit of the float32 quotient, which an
-    incorrectly rounded division gets wrong.
+    incorrectly rounded division gets wrong. Offsets of ``-nudge..nudge``
+    (+-1: one ulp down or up, +-2: the tie itself); every ``token_pin``-th
+    token and ``channel_pin``-th channel pinned to 0 and the next to the span.
     """
-    _tokens, _heads, _channels = shape
     span = np.float32(rng.uniform(0.5, 3.0))
-    scale = np.float32(span / np.float32(15.0))
-    k = rng.integers(0, 15, shape).astype(np.float32)
+    scale = np.float32(span / np.float32(max_code))
+    k = rng.integers(0, max_code, shape).astype(np.float32)
     ties = ((k + np.float32(0.5)) * scale).astype(np.float32)
-    nudge = rng.integers(-2, 3, shape)
-    values = np.nextafter(ties, np.where(nudge > 0, np.inf, -np.inf).astype(np.float32))
-    values = np.where(nudge == 0, ties, values).astype(np.float32)
-    values = np.where(np.abs(nudge) == 2, ties, values).astype(np.float32)
-    # Pin min 0 and max span in every group along both axes.
-    values[0::16, :, :] = 0.0
-    values[:, :, 0::16] = 0.0
-    values[1::16, :, :] = span
-    values[:, :, 1::16] = span
+    offsets = rng.integers(-nudge, nudge + 1, shape)
+    values = np.nextafter(ties, np.where(offsets > 0, np.inf, -np.inf).astype(np.float32))
+    values = np.where((offsets == 0) | (np.abs(offsets) == 2), ties, values).astype(np.float32)
+    values[0::token_pin, :, :] = 0.0
+    values[:, :, 0::channel_pin] = 0.0
+    values[1::token_pin, :, :] = span
+    values[:, :, 1::channel_pin] = span
     return values
+
+
+def int4_division_ties(rng, shape):
+    """:func:`affine_division_ties` for INT4 (scale = span / 15, pinned every 16)."""
+    return affine_division_ties(rng, shape)
 
 
 def zero_span(rng, shape):

@@ -17,7 +17,7 @@ import jflashloop_reference as reference
 from jflashloop import CodecSpec, checked
 from jflashloop.codecs import encode_with_statistics, pack_triplets, unpack_triplets
 from tests.bits import assert_bits_equal, assert_matches_affine_oracle
-from tests.cases import CASES
+from tests.cases import CASES, affine_division_ties
 from tests.test_properties import codec_inputs
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -61,23 +61,8 @@ def int3_exact_ties(rng, shape):
 
 
 def int3_division_ties(rng, shape):
-    """Values within an ulp of (k + 0.5) * scale for an inexact scale = span / 7.
-
-    The code then depends on the last bit of the float32 quotient, which an
-    incorrectly rounded division gets wrong.
-    """
-    span = np.float32(rng.uniform(0.5, 3.0))
-    scale = np.float32(span / np.float32(7.0))
-    k = rng.integers(0, 7, shape).astype(np.float32)
-    ties = ((k + np.float32(0.5)) * scale).astype(np.float32)
-    nudge = rng.integers(-1, 2, shape)
-    nudged = np.nextafter(ties, np.where(nudge > 0, np.inf, -np.inf).astype(np.float32))
-    values = np.where(nudge == 0, ties, nudged).astype(np.float32)
-    values[0::8, :, :] = 0.0
-    values[:, :, 0::5] = 0.0
-    values[1::8, :, :] = span
-    values[:, :, 1::5] = span
-    return values
+    """:func:`tests.cases.affine_division_ties` for INT3: scale = span / 7, offsets of one ulp."""
+    return affine_division_ties(rng, shape, max_code=7, nudge=1, token_pin=8, channel_pin=5)
 
 
 def outlier_channels(rng, shape):
