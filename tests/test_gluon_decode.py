@@ -49,9 +49,7 @@ TOLERANCE = 2e-3
 VERSIONS = {1: dict(kernel="simple"), 2: dict(kernel="pipelined", fused_windows=False), 3: {},  # 3: the default
             4: dict(stages=1),  # no page in flight ahead (shared memory of small GPUs)
             5: dict(precise=False),  # one float16 query (the pairs are the default)
-            6: dict(lazy=True),  # the running softmax state rescaled only when a maximum grows by > 2**8
-            7: dict(prefetch=True),  # L2 prefetches of the page after the copied one
-            8: dict(prefetch=True, stages=1)}
+            6: dict(lazy=True)}  # the running softmax state rescaled only when a maximum grows by > 2**8
 
 
 def gpu_only(*values):
@@ -153,50 +151,6 @@ def test_gluon_kernel_never_reads_lost_pages(rng, recent):
         for state, out in ((cache, mine), (hole, np.asarray(gluon_attention(queries, hole, 0, loop=loop)))):
             expected = jflashloop.decode_attention_reference(queries, state, 0, loop, include_pending=False)
             assert (relative_errors(out[1:], expected[1:]) < TOLERANCE).all(), loop
-
-
-def _prefetch_cases():
-    nvfp4, rotated = jflashloop.NVFP4, (jflashloop.int4_rotated(64, 3), jflashloop.int4_rotated(64, 4))
-    return {
-        "int4": (one_loop_config(64, 16, max_pages_per_sequence=40, num_pages=128), 0),
-        "flashloop chain": (small_config(num_loops=4, page_size=16, head_dim=64, max_pages_per_sequence=40,
-                                         num_pages=128), 3),
-        "nvfp4 chain": (dataclasses.replace(small_config(num_loops=2, head_dim=64, page_size=16,
-                                                         max_pages_per_sequence=40, num_pages=128),
-                                            loops=(LoopStorage(nvfp4, nvfp4),) * 2), 1),
-        "int4_rotated": (dataclasses.replace(small_config(num_loops=1, head_dim=64, page_size=16,
-                                                          max_pages_per_sequence=40, num_pages=128),
-                                             loops=(LoopStorage(*rotated),)), 0),
-    }
-
-
-@pytest.mark.parametrize("case", ["int4", "flashloop chain", "nvfp4 chain", "int4_rotated"])
-@pytest.mark.parametrize("version", [7, 8])
-def test_prefetch_changes_no_bit(rng, case, version):
-    """The L2 prefetches and the block-table entries read a page ahead leave every output bit as it
-    was, at one and two pipeline stages, with splits ending inside a sequence's pages and a sequence
-    shorter than the prefetch distance."""
-    config, loop = _prefetch_cases()[case]
-    cache, _ = build(rng, config, prompt_lengths=[7 * 16 + 9, 3, 16 + 1], steps=2)
-    queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
-    base = 4 if version == 8 else 3
-    for splits in (None, 12):  # 12: four pages a split, so the first sequence spans two
-        expected = gluon_attention(queries, cache, 1, include_pending=True, splits=splits, loop=loop, version=base)
-        actual = gluon_attention(queries, cache, 1, include_pending=True, splits=splits, loop=loop,
-                                 version=version)
-        assert_bits_equal(np.asarray(actual), np.asarray(expected), f"{case}, splits {splits}")
-
-
-def test_prefetch_never_reads_lost_pages(rng):
-    """Pool exhaustion with prefetches on: the pages after a lost one are neither copied nor prefetched
-    (the emulation checks no address; the outputs equal the run without prefetches)."""
-    config = small_config(num_layers=1, head_dim=64, page_size=16, num_pages=3, max_pages_per_sequence=3,
-                          max_sequences=2, num_loops=3, recent_tokens=16)
-    cache, _ = lost_page_cache(rng, config, 1)
-    queries = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
-    for loop in (0, 2):
-        assert_bits_equal(np.asarray(gluon_attention(queries, cache, 0, loop=loop, version=7)),
-                          np.asarray(gluon_attention(queries, cache, 0, loop=loop)), f"loop {loop}")
 
 
 def outlier_key_errors(rng, head_dim, version):

@@ -109,7 +109,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
                   emulate: bool = False, merge_group: int | None = None, precise: bool = True,
                   query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0),
-                  row_blocks: int = 1, lazy: bool = False, prefetch: bool = False):
+                  row_blocks: int = 1, lazy: bool = False):
     """Run the Gluon page kernel.
 
     Args:
@@ -133,8 +133,6 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         query ``[S, H, group, D]`` with ``group <= 8 row_blocks``).
       lazy: rescale the running softmax state only when a row's maximum grows
         by more than ``gluon_decode.RESCALE_LOG2`` (pipelined kernel).
-      prefetch: L2 prefetches of the page after the one being copied
-        (pipelined kernel, at most 2 stages).
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
       splits, 8], max [...])`` float32, natural channel order (program ``h *
@@ -202,11 +200,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         extra.update(MERGE=merge_group is not None, GROUP=group, PRECISE=precise,
                      QSCALE=1.0 if query_scale is None else float(query_scale),
                      PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]), RB=row_blocks,
-                     LAZY=lazy, PREFETCH=prefetch)
-        if prefetch and stages > 2:
-            raise ValueError(f"prefetch needs at most 2 pipeline stages, got {stages}")
-    elif prefetch:
-        raise ValueError("only the pipelined kernel prefetches pages")
+                     LAZY=lazy)
     elif query_scale is not None:
         raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
@@ -251,7 +245,7 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
                                              "splits", "pages_only", "kernel", "stages",
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
                                              "partials_only", "maxnreg", "emulate", "merge", "precise",
-                                             "limits", "lazy", "prefetch"))
+                                             "limits", "lazy"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, state=None, limits: tuple[int, int, int] | None = None,
                            loops, page_size: int, sink_tokens: int, window_loop: int,
@@ -259,8 +253,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            kernel: str = "pipelined", stages: int | None = None, fused_windows: bool = True,
                            chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
-                           merge: str | None = None, precise: bool | None = None, lazy: bool | None = None,
-                           prefetch: bool | None = None):
+                           merge: str | None = None, precise: bool | None = None, lazy: bool | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -292,8 +285,6 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     * ``lazy`` (pipelined kernel): rescale the running softmax state only
       when a row's maximum grows by more than ``RESCALE_LOG2`` (fewer
       multiplies per page). None: off.
-    * ``prefetch`` (pipelined kernel): L2 prefetches of the page after the
-      one being copied, block-table entries read a page ahead. None: off.
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -349,8 +340,6 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         precise = True
     if lazy is None:
         lazy = False
-    if prefetch is None:
-        prefetch = False
     # The pipelined kernel scales and pads the caller's queries itself (no XLA pass before it).
     kernel_query = queries.reshape(sequences, kv_heads, group, head_dim) if pipelined else query
     outputs = page_partials(
@@ -359,7 +348,6 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks, lazy=lazy,
-        prefetch=prefetch and pipelined,
         **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]

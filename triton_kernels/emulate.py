@@ -204,10 +204,6 @@ def _asm_table():
 
 
 def _inline_asm(asm, constraints, args, dtype, is_pure, pack):
-    from . import gluon_decode
-
-    if asm == gluon_decode._PREFETCH_ASM.value:  # an L2 hint: nothing to emulate
-        return _t(np.zeros(np.shape(args[0].offset), np.int32))
     table = _asm_table()
     if asm not in table:
         raise NotImplementedError("no numpy equivalent for this inline PTX block")

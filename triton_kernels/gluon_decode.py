@@ -706,61 +706,6 @@ def _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, stage, tile, live, kw_ptr, 
                                                mask=live)
 
 
-# An L2 prefetch of one 128-byte line (a hint: no result, no register waits on it); the dummy
-# result keeps the statement (``is_pure=False``).
-_PREFETCH_ASM = gl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;")
-
-
-@gluon.constexpr_function
-def _prefetch_points(elements: int, stride: int) -> int:
-    """Addresses that touch every 128-byte line of ``elements`` contiguous elements (``stride`` a
-    line), whatever their alignment: every ``stride``-th element and the last, as a power of two."""
-    points = -(-(elements - 1) // stride) + 1
-    return 1 << max(points - 1, 0).bit_length()
-
-
-@gluon.jit
-def _prefetch_lines(ptr, ELEMS: gl.constexpr, STRIDE: gl.constexpr):
-    """Ask the L2 for the lines of ``ELEMS`` elements at ``ptr`` (``STRIDE`` elements per 128 bytes)."""
-    N: gl.constexpr = _prefetch_points(ELEMS, STRIDE)
-    offsets = gl.minimum(gl.arange(0, N, layout=gl.BlockedLayout([1], [32], [1], [0])) * STRIDE, ELEMS - 1)
-    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l", [ptr + offsets], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_stream(tile, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr, PAGE: gl.constexpr, W: gl.constexpr,
-                     D: gl.constexpr, NG: gl.constexpr, FORMAT: gl.constexpr):
-    """L2 prefetches of every array :func:`_copy_stream` copies for ``tile`` (and NVFP4's tile scales)."""
-    _prefetch_lines(kw_ptr + tile * (PAGE * W), PAGE * W, 32)
-    _prefetch_lines(vw_ptr + tile * (PAGE * W), PAGE * W, 32)
-    if FORMAT == ROTATED:
-        _prefetch_lines(ks_ptr + tile * PAGE, PAGE, 32)
-        _prefetch_lines(vs_ptr + tile * PAGE, PAGE, 32)
-    elif FORMAT == NVFP4:
-        _prefetch_lines(ks_ptr + tile * (PAGE * (D // 16)), PAGE * (D // 16), 128)
-        _prefetch_lines(vs_ptr + tile * (PAGE * (D // 16)), PAGE * (D // 16), 128)
-        _prefetch_lines(km_ptr + tile, 1, 32)
-        _prefetch_lines(vm_ptr + tile, 1, 32)
-    else:
-        _prefetch_lines(ks_ptr + tile * D, D, 64)
-        _prefetch_lines(km_ptr + tile * D, D, 64)
-        _prefetch_lines(vs_ptr + tile * (PAGE * NG), PAGE * NG, 64)
-        _prefetch_lines(vm_ptr + tile * (PAGE * NG), PAGE * NG, 64)
-
-
-@gluon.jit
-def _prefetch_sparse(tile, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr, pos_ptr, R: gl.constexpr,
-                     W: gl.constexpr, NG: gl.constexpr):
-    """L2 prefetches of a sparse tile's rows, their metadata and positions."""
-    _prefetch_lines(kw_ptr + tile * (R * W), R * W, 32)
-    _prefetch_lines(vw_ptr + tile * (R * W), R * W, 32)
-    _prefetch_lines(ks_ptr + tile * (R * NG), R * NG, 64)
-    _prefetch_lines(km_ptr + tile * (R * NG), R * NG, 64)
-    _prefetch_lines(vs_ptr + tile * (R * NG), R * NG, 64)
-    _prefetch_lines(vm_ptr + tile * (R * NG), R * NG, 64)
-    _prefetch_lines(pos_ptr + tile * R, R, 128)
-
-
 @gluon.jit
 def _stream_buffers(STAGES: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr,
                     FORMAT: gl.constexpr):
@@ -1278,7 +1223,6 @@ def int4_pages_kernel_v2(
     MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
     RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False,
-    PREFETCH: gl.constexpr = False,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1300,10 +1244,7 @@ def int4_pages_kernel_v2(
     8-15 of the m16 products (no extra product): about 10x less error on keys
     with outlier channels and large per-channel offsets. ``LAZY`` rescales the
     running softmax state only when a row's maximum grows by more than
-    ``RESCALE_LOG2``. ``PREFETCH`` (``STAGES`` <= 2) asks the L2 for the
-    page after the one being copied (``prefetch.global.L2``: more bytes in
-    flight at no register or shared-memory cost) and reads each block-table
-    entry one page before its use.
+    ``RESCALE_LOG2``.
 
     The query ``q_ptr`` here is the caller's ``[S, H * GROUP, D]`` (float32,
     bfloat16 or float16, natural channel order, not padded): the kernel
@@ -1401,17 +1342,9 @@ def int4_pages_kernel_v2(
     tokens = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, _top_rows(zero_scores, CHUNK).type.layout))
     sums = _lane_sums(_top_rows(zero_scores, CHUNK), CHUNK)  # [8, 8]: per-thread partial row sums
 
-    if PREFETCH:  # block-table entries read one page before their use (no wait on them in the loop)
-        copy_tile, copy_live = _page_tile(STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
-        next_tile, next_live = _page_tile(STAGES, count, first, seq, head, table_ptr, pool_pages, max_pages)
-        if STAGES == 2:
-            held_tile, held_live = _page_tile(0, count, first, seq, head, table_ptr, pool_pages, max_pages)
     for step in range(count):
         ahead = (step + STAGES - 1) % STAGES
-        if PREFETCH:
-            tile, live = copy_tile, copy_live
-        else:
-            tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
+        tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
         _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, ahead, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
                      vm_ptr, PAGE, W, D, NG, FORMAT)
         if STREAMS == 2:
@@ -1422,30 +1355,7 @@ def int4_pages_kernel_v2(
         if SPARSE >= 2:
             _copy_sparse(kw4_s, vw4_s, ahead, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
         async_copy.commit_group()
-        if PREFETCH:
-            # The page after the one being copied goes to the L2 now: its copy (next step) then
-            # waits on the L2, not on DRAM.
-            if next_live:
-                _prefetch_stream(next_tile, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr, vm_ptr, PAGE, W, D, NG, FORMAT)
-                if STREAMS == 2:
-                    _prefetch_stream(next_tile, kw2_ptr, ks2_ptr, km2_ptr, vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D,
-                                     NG, FORMAT)
-                if SPARSE >= 1:
-                    _prefetch_sparse(next_tile, kw3_ptr, ks3_ptr, km3_ptr, vw3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3,
-                                     W, NG)
-                if SPARSE >= 2:
-                    _prefetch_sparse(next_tile, kw4_ptr, ks4_ptr, km4_ptr, vw4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4,
-                                     W, NG)
-            if STAGES == 1:
-                current, current_live = tile, live
-            else:
-                current, current_live = held_tile, held_live
-                held_tile, held_live = tile, live
-            copy_tile, copy_live = next_tile, next_live
-            next_tile, next_live = _page_tile(step + STAGES + 1, count, first, seq, head, table_ptr, pool_pages,
-                                              max_pages)
-        else:
-            current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
+        current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
         if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
             meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, B_OP)
         if SPARSE >= 2:
