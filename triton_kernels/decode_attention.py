@@ -24,6 +24,9 @@ from . import launch
 
 ROWS = 8
 LOG2_E = math.log2(math.e)
+# The page kernel merges the splits itself (one launch for the whole call) when a (sequence, KV head)
+# has at most this many partials; more go to XLA's merge (the last program's merge is then too long).
+KERNEL_MERGE_SLOTS = 16
 
 
 def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel: str = "pipelined",
@@ -294,7 +297,9 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       merge kernel: one more custom call) or ``"kernel"`` (the last program
       of each (sequence, KV head) merges inside the page kernel: one launch
       for the whole call; pipelined kernel with fused windows); None:
-      ``"xla"`` (``bench/KERNEL_NOTES.md``).
+      ``"kernel"`` where it applies and a (sequence, KV head) has at most
+      :data:`KERNEL_MERGE_SLOTS` partials (short contexts), else ``"xla"``
+      (``bench/KERNEL_NOTES.md``).
     """
     sequences, q_heads, head_dim = queries.shape
     kv_heads = ring_keys.shape[2]
@@ -331,8 +336,10 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
             else launch.pipelined_stages(capability=capability, head_dim=head_dim, page_size=page_size,
                                          format=loops[0].keys.format, value_group=loops[0].values.group_size,
                                          streams=streams_read, sparse_rows=sparse_rows)
-    if merge is None:  # the Gluon merge is one more custom call: not (yet) measured to pay off
-        merge = "xla"
+    if merge is None:  # measured: bench/KERNEL_NOTES.md ("The split merge inside the page kernel")
+        slots = splits + 1 if fused_windows else splits
+        merge = ("kernel" if pipelined and fused_windows and row_blocks == 1 and not partials_only
+                 and slots <= KERNEL_MERGE_SLOTS else "xla")
     if merge not in ("gluon", "xla", "kernel"):
         raise ValueError(f"merge must be 'gluon', 'xla' or 'kernel', got {merge!r}")
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only

@@ -1113,37 +1113,66 @@ def _window_columns(ring: int, page: int) -> int:
     return 1 << (-(-ring // page) + 1).bit_length()
 
 
-@gluon.constexpr_function
-def _merge_layout(head_dim: int):
-    """``[8, D]`` partial outputs for the merge: rows on lanes 2-4, channels in 16-byte pieces."""
-    return gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
+@gluon.jit
+def _weighted_partials(out_ptr, sum_ptr, max_ptr, base, first, slots, best, b_slots, rows, row_ok, cols,
+                       D: gl.constexpr):
+    """Slots ``first + b_slots`` of the partials at ``base`` (their ``[SB, 8]`` rows, channels ``cols``)
+    weighted by ``2 ** (max - best)``: their sums ``[1, 8, 1]`` and outputs ``[1, 8, len(cols)]``."""
+    slot = first + b_slots
+    meta = (base + gl.expand_dims(slot, 1)) * 8 + gl.expand_dims(rows, 0)
+    keep = gl.expand_dims(slot < slots, 1) & row_ok
+    weight = gl.exp2(gl.load(max_ptr + meta, mask=keep, other=MASK_VALUE) - gl.expand_dims(best, 0))
+    weight = gl.where(keep, weight, 0.0)
+    part_sum = gl.load(sum_ptr + meta, mask=keep, other=0.0)
+    offsets = gl.expand_dims(meta, 2) * D + gl.expand_dims(gl.expand_dims(cols, 0), 1)
+    part = gl.load(out_ptr + offsets, mask=gl.expand_dims(keep, 2), other=0.0)
+    return (gl.expand_dims(gl.sum(gl.expand_dims(part_sum * weight, 2), axis=0), 0),
+            gl.expand_dims(gl.sum(part * gl.expand_dims(weight, 2), axis=0), 0))
+
+
+@gluon.jit
+def _store_merged(final_ptr, program, total, combined, rows, cols, D: gl.constexpr, GROUP: gl.constexpr):
+    """``combined / total`` (zeros where nothing was visible) into the ``GROUP`` rows of ``program`` in
+    ``final [S, H * GROUP, D]``, channels ``cols``."""
+    result = gl.where(total > 0, combined / gl.where(total > 0, total, 1.0), 0.0)
+    r3 = gl.expand_dims(gl.expand_dims(rows, 0), 2)
+    c3 = gl.expand_dims(gl.expand_dims(cols, 0), 1)
+    gl.store(final_ptr + (program * GROUP + r3) * D + c3, result, mask=(r3 < GROUP) & (c3 < D))
 
 
 @gluon.jit
 def _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D: gl.constexpr, GROUP: gl.constexpr):
     """Stable log-sum-exp merge of the ``slots`` partials of ``program`` (a (sequence, KV head))
-    into its ``GROUP`` rows of ``final [S, H * GROUP, D]`` (zeros where nothing was visible)."""
-    L: gl.constexpr = _merge_layout(D)
-    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, L))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, L))
-    offsets = gl.expand_dims(rows, 1) * D + gl.expand_dims(cols, 0)
-    best = gl.full([8], -1e30, gl.float32, layout=gl.SliceLayout(1, L))
-    total = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, L))
-    combined = gl.zeros([8, D], gl.float32, layout=L)
-    for s in range(slots):  # online over the slots: one read of each partial
-        slot = program * slots + s
-        part_max = gl.load(max_ptr + slot * 8 + rows, cache_modifier=".cg")
-        part_sum = gl.load(sum_ptr + slot * 8 + rows, cache_modifier=".cg")
-        part = gl.load(out_ptr + slot * (8 * D) + offsets, cache_modifier=".cg")
-        new_best = gl.maximum(best, part_max)
-        old_weight = gl.exp2(best - new_best)
-        weight = gl.exp2(part_max - new_best)
-        total = total * old_weight + part_sum * weight
-        combined = combined * gl.expand_dims(old_weight, 1) + part * gl.expand_dims(weight, 1)
-        best = new_best
-    result = gl.where(gl.expand_dims(total > 0, 1), combined / gl.expand_dims(gl.where(total > 0, total, 1.0), 1), 0.0)
-    keep = gl.expand_dims(rows < GROUP, 1)
-    gl.store(final_ptr + (program * GROUP) * D + offsets, result, mask=keep)
+    into its ``GROUP`` rows of ``final [S, H * GROUP, D]`` (zeros where nothing was visible).
+
+    One warp: the rows' maximum from 32 slots per load, then the weighted sums
+    ``SB`` slots at a time (their loads independent: one round trip per block)."""
+    SB: gl.constexpr = 512 // D  # [SB, 8, D] float32 partials: 128 registers a thread
+    L3: gl.constexpr = merge_layout(SB, D, 1)
+    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [SB, 8]
+    LM: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])  # [32, 8]: a slot per lane
+    base = program * slots
+    m_slots = gl.arange(0, 32, layout=gl.SliceLayout(1, LM))
+    m_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, LM))
+    best = gl.full([8], MASK_VALUE, gl.float32, layout=gl.SliceLayout(0, LM))
+    for first in range(0, slots, 32):
+        slot = first + m_slots
+        keep = gl.expand_dims(slot < slots, 1) & gl.expand_dims(m_rows < GROUP, 0)
+        meta = (base + gl.expand_dims(slot, 1)) * 8 + gl.expand_dims(m_rows, 0)
+        best = gl.maximum(best, gl.max(gl.load(max_ptr + meta, mask=keep, other=MASK_VALUE), axis=0))
+    best = gl.convert_layout(best, gl.SliceLayout(0, LS))
+    b_slots = gl.arange(0, SB, layout=gl.SliceLayout(1, LS))
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(0, LS))
+    row_ok = gl.expand_dims(rows < GROUP, 0)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    total = gl.zeros([1, 8, 1], gl.float32, layout=L3)
+    combined = gl.zeros([1, 8, D], gl.float32, layout=L3)
+    for first in range(0, slots, SB):
+        sums, parts = _weighted_partials(out_ptr, sum_ptr, max_ptr, base, first, slots, best, b_slots, rows,
+                                         row_ok, cols, D)
+        total += sums
+        combined += parts
+    _store_merged(final_ptr, program, total, combined, rows, cols, D, GROUP)
 
 
 @gluon.constexpr_function
@@ -1184,20 +1213,11 @@ def merge_kernel(out_ptr, sum_ptr, max_ptr, final_ptr, D: gl.constexpr, GROUP: g
     total = gl.zeros([1, 8, 1], gl.float32, layout=L3)
     combined = gl.zeros([1, 8, DB], gl.float32, layout=L3)
     for b in gl.static_range(BLOCKS):
-        slot = b * SB + b_slots
-        meta = (program * SLOTS + gl.expand_dims(slot, 1)) * 8 + gl.expand_dims(rows, 0)
-        keep = gl.expand_dims(slot < SLOTS, 1) & row_ok
-        weight = gl.exp2(gl.load(max_ptr + meta, mask=keep, other=MASK_VALUE) - gl.expand_dims(best, 0))
-        weight = gl.where(keep, weight, 0.0)
-        part_sum = gl.load(sum_ptr + meta, mask=keep, other=0.0)
-        total += gl.expand_dims(gl.sum(gl.expand_dims(part_sum * weight, 2), axis=0), 0)
-        offsets = gl.expand_dims(meta, 2) * D + gl.expand_dims(gl.expand_dims(cols, 0), 1)
-        part = gl.load(out_ptr + offsets, mask=gl.expand_dims(keep, 2), other=0.0)
-        combined += gl.expand_dims(gl.sum(part * gl.expand_dims(weight, 2), axis=0), 0)
-    result = gl.where(total > 0, combined / gl.where(total > 0, total, 1.0), 0.0)
-    r3 = gl.expand_dims(gl.expand_dims(rows, 0), 2)
-    c3 = gl.expand_dims(gl.expand_dims(cols, 0), 1)
-    gl.store(final_ptr + (program * GROUP + r3) * D + c3, result, mask=(r3 < GROUP) & (c3 < D))
+        sums, parts = _weighted_partials(out_ptr, sum_ptr, max_ptr, program * SLOTS, b * SB, SLOTS, best,
+                                         b_slots, rows, row_ok, cols, D)
+        total += sums
+        combined += parts
+    _store_merged(final_ptr, program, total, combined, rows, cols, D, GROUP)
 
 
 @gluon.jit
