@@ -47,14 +47,13 @@ def formulation(name, loop=0, pages_only=False):
         return bench.ours(loop, implementation=None)
     from jflashloop_triton_kernels import decode_attention as gluon
 
-    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-n<pages>][-r<maxnreg>][-k][-m|-mx|-mg][-f|-x][-l][-b]: pipelined
+    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-n<pages>][-r<maxnreg>][-k][-m|-mx|-mg][-f|-x]: pipelined
     # kernel, fused windows, token chunk, target programs, least pages per split (default 8, as the library),
     # register cap, kernel partials only (no merge), merge inside the kernel (-m), by XLA (-mx) or by the
     # Gluon merge kernel (-mg) instead of the library's default,
-    # one float16 query (-f) or the precise float16 pair (-x) instead of the default, lazy rescaling (-l),
-    # only the base stream copied a page ahead (-b)
+    # one float16 query (-f) or the precise float16 pair (-x) instead of the default, lazy rescaling (-l)
     stages, fused, chunk, programs, partials, maxnreg, merge, precise = None, False, None, 2048, False, None, None, None
-    lazy = lead = None
+    lazy = None
     min_pages = 8  # the library's default
     if name.startswith("gluon2-s"):
         kernel = "pipelined"
@@ -83,8 +82,6 @@ def formulation(name, loop=0, pages_only=False):
                 precise = True
             elif option == "l":
                 lazy = True
-            elif option == "b":
-                lead = True
     elif name == "gluon":
         kernel = "simple"
     else:
@@ -103,8 +100,7 @@ def formulation(name, loop=0, pages_only=False):
             scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
             stages=stages, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
             min_pages_per_split=min_pages,
-            partials_only=partials, maxnreg=maxnreg, merge=merge, precise=precise, lazy=lazy,
-            lead=lead)
+            partials_only=partials, maxnreg=maxnreg, merge=merge, precise=precise, lazy=lazy)
         return out if partials else unrotated_output(out, value_seed)
 
     return run

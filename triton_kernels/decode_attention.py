@@ -112,7 +112,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
                   emulate: bool = False, merge_group: int | None = None, precise: bool = True,
                   query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0),
-                  row_blocks: int = 1, lazy: bool = False, lead: bool = False):
+                  row_blocks: int = 1, lazy: bool = False):
     """Run the Gluon page kernel.
 
     Args:
@@ -136,8 +136,6 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         query ``[S, H, group, D]`` with ``group <= 8 row_blocks``).
       lazy: rescale the running softmax state only when a row's maximum grows
         by more than ``gluon_decode.RESCALE_LOG2`` (pipelined kernel).
-      lead: only the base stream is copied ``stages - 1`` pages ahead; a
-        chain's other streams within their page (pipelined kernel).
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
       splits, 8], max [...])`` float32, natural channel order (program ``h *
@@ -205,9 +203,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         extra.update(MERGE=merge_group is not None, GROUP=group, PRECISE=precise,
                      QSCALE=1.0 if query_scale is None else float(query_scale),
                      PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]), RB=row_blocks,
-                     LAZY=lazy, LEAD=lead)
-    elif lead:
-        raise ValueError("only the pipelined kernel leads with the base stream")
+                     LAZY=lazy)
     elif query_scale is not None:
         raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
@@ -252,7 +248,7 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
                                              "splits", "pages_only", "kernel", "stages",
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
                                              "partials_only", "maxnreg", "emulate", "merge", "precise",
-                                             "limits", "lazy", "lead"))
+                                             "limits", "lazy"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, state=None, limits: tuple[int, int, int] | None = None,
                            loops, page_size: int, sink_tokens: int, window_loop: int,
@@ -260,8 +256,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            kernel: str = "pipelined", stages: int | None = None, fused_windows: bool = True,
                            chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
-                           merge: str | None = None, precise: bool | None = None, lazy: bool | None = None,
-                           lead: bool | None = None):
+                           merge: str | None = None, precise: bool | None = None, lazy: bool | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -293,9 +288,6 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     * ``lazy`` (pipelined kernel): rescale the running softmax state only
       when a row's maximum grows by more than ``RESCALE_LOG2`` (fewer
       multiplies per page). None: off.
-    * ``lead`` (pipelined kernel): only the base stream's page is copied
-      ``stages - 1`` pages ahead, a chain's other streams within their page
-      (less shared memory per block). None: off.
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -355,8 +347,6 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         precise = True
     if lazy is None:
         lazy = False
-    if lead is None:
-        lead = False
     # The pipelined kernel scales and pads the caller's queries itself (no XLA pass before it).
     kernel_query = queries.reshape(sequences, kv_heads, group, head_dim) if pipelined else query
     outputs = page_partials(
@@ -365,7 +355,6 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks, lazy=lazy,
-        lead=lead and pipelined,
         **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]

@@ -707,22 +707,6 @@ def _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, stage, tile, live, kw_ptr, 
 
 
 @gluon.jit
-def _copy_others(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, kw3_s, vw3_s, kw4_s, vw4_s, stage, tile, live,
-                 kw2_ptr, ks2_ptr, km2_ptr, vw2_ptr, vs2_ptr, vm2_ptr, kw3_ptr, vw3_ptr, kw4_ptr, vw4_ptr,
-                 PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, FORMAT: gl.constexpr,
-                 STREAMS: gl.constexpr, SPARSE: gl.constexpr, R3: gl.constexpr, RP3: gl.constexpr,
-                 R4: gl.constexpr, RP4: gl.constexpr):
-    """cp.async the dense residual's and the sparse loops' arrays of page tile ``tile`` into ``stage``."""
-    if STREAMS == 2:
-        _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, stage, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
-                     vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
-    if SPARSE >= 1:
-        _copy_sparse(kw3_s, vw3_s, stage, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
-    if SPARSE >= 2:
-        _copy_sparse(kw4_s, vw4_s, stage, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
-
-
-@gluon.jit
 def _stream_buffers(STAGES: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr,
                     FORMAT: gl.constexpr):
     """Shared memory of one stream: STAGES page tiles of key/value words and their metadata."""
@@ -1258,7 +1242,7 @@ def int4_pages_kernel_v2(
     FORMAT: gl.constexpr = 0, SPARSE: gl.constexpr = 0, R3: gl.constexpr = 16, R4: gl.constexpr = 16,
     MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
-    RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False, LEAD: gl.constexpr = False,
+    RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1280,9 +1264,7 @@ def int4_pages_kernel_v2(
     8-15 of the m16 products (no extra product): about 10x less error on keys
     with outlier channels and large per-channel offsets. ``LAZY`` rescales the
     running softmax state only when a row's maximum grows by more than
-    ``RESCALE_LOG2``. ``LEAD`` runs only the base stream ``STAGES - 1`` pages
-    ahead; a chain's other streams are copied within their page, one buffer
-    each (a chain's shared memory then allows more blocks per SM).
+    ``RESCALE_LOG2``.
 
     The query ``q_ptr`` here is the caller's ``[S, H * GROUP, D]`` (float32,
     bfloat16 or float16, natural channel order, not padded): the kernel
@@ -1312,32 +1294,24 @@ def int4_pages_kernel_v2(
     partial = (seq * (kv_heads * RB) + virtual).to(gl.int64)  # this program's partials
 
     kw_s, vw_s, ks_s, km_s, vs_s, vm_s = _stream_buffers(STAGES, PAGE, W, D, NG, FORMAT)
-    # LEAD: only the base stream runs STAGES - 1 pages ahead; the others are copied within their page.
-    OS: gl.constexpr = 1 if LEAD else STAGES
     if STREAMS == 2:
-        kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s = _stream_buffers(OS, PAGE, W, D, NG, FORMAT)
+        kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s = _stream_buffers(STAGES, PAGE, W, D, NG, FORMAT)
     RP3: gl.constexpr = _padded_sparse_rows(R3)
     RP4: gl.constexpr = _padded_sparse_rows(R4)
     if SPARSE >= 1:
-        kw3_s, vw3_s = _sparse_buffers(OS, RP3, W)
+        kw3_s, vw3_s = _sparse_buffers(STAGES, RP3, W)
         KW3: gl.constexpr = _key_words_layout(RP3, W)
         VT3: gl.constexpr = _value_tile_layout(RP3, W)
         KS3: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP3, W], gl.uint32, layout=KW3),
                                                          [RP3, NG, W // NG]).type.layout)
         VS3: gl.constexpr = _value_meta_layout(RP3, NG, D, GV)
     if SPARSE >= 2:
-        kw4_s, vw4_s = _sparse_buffers(OS, RP4, W)
+        kw4_s, vw4_s = _sparse_buffers(STAGES, RP4, W)
         KW4: gl.constexpr = _key_words_layout(RP4, W)
         VT4: gl.constexpr = _value_tile_layout(RP4, W)
         KS4: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP4, W], gl.uint32, layout=KW4),
                                                          [RP4, NG, W // NG]).type.layout)
         VS4: gl.constexpr = _value_meta_layout(RP4, NG, D, GV)
-    if STREAMS == 1:  # names for the unused arguments of _copy_others
-        kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s = kw_s, vw_s, ks_s, km_s, vs_s, vm_s
-    if SPARSE < 1:
-        kw3_s, vw3_s = kw_s, vw_s
-    if SPARSE < 2:
-        kw4_s, vw4_s = kw_s, vw_s
 
     # The sequence's regions (``jflashloop.cache._regions``): ``visible`` tokens, pages up to
     # ``packed_end`` (a lost page, -1, ends them earlier: ``_page_tile`` and the window program).
@@ -1351,10 +1325,13 @@ def int4_pages_kernel_v2(
         tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
         _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, s, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
                      vm_ptr, PAGE, W, D, NG, FORMAT)
-        if not LEAD:
-            _copy_others(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, kw3_s, vw3_s, kw4_s, vw4_s, s, tile, live,
-                         kw2_ptr, ks2_ptr, km2_ptr, vw2_ptr, vs2_ptr, vm2_ptr, kw3_ptr, vw3_ptr, kw4_ptr, vw4_ptr,
-                         PAGE, W, D, NG, FORMAT, STREAMS, SPARSE, R3, RP3, R4, RP4)
+        if STREAMS == 2:
+            _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, s, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
+                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
+        if SPARSE >= 1:
+            _copy_sparse(kw3_s, vw3_s, s, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
+        if SPARSE >= 2:
+            _copy_sparse(kw4_s, vw4_s, s, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
         async_copy.commit_group()
 
     # The query, float16, logical key order, rows 8-15 zero: the A operand.
@@ -1387,23 +1364,18 @@ def int4_pages_kernel_v2(
 
     for step in range(count):
         ahead = (step + STAGES - 1) % STAGES
-        ostage = 0 if LEAD else step % STAGES  # the other streams' buffer of this page
-        if LEAD:  # this page's other streams first (their own group), then the base stream's page ahead
-            current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
-            _copy_others(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, kw3_s, vw3_s, kw4_s, vw4_s, 0, current,
-                         current_live, kw2_ptr, ks2_ptr, km2_ptr, vw2_ptr, vs2_ptr, vm2_ptr, kw3_ptr, vw3_ptr,
-                         kw4_ptr, vw4_ptr, PAGE, W, D, NG, FORMAT, STREAMS, SPARSE, R3, RP3, R4, RP4)
-            async_copy.commit_group()
         tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
         _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, ahead, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
                      vm_ptr, PAGE, W, D, NG, FORMAT)
-        if not LEAD:
-            _copy_others(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, kw3_s, vw3_s, kw4_s, vw4_s, ahead, tile, live,
-                         kw2_ptr, ks2_ptr, km2_ptr, vw2_ptr, vs2_ptr, vm2_ptr, kw3_ptr, vw3_ptr, kw4_ptr, vw4_ptr,
-                         PAGE, W, D, NG, FORMAT, STREAMS, SPARSE, R3, RP3, R4, RP4)
+        if STREAMS == 2:
+            _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, ahead, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
+                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
+        if SPARSE >= 1:
+            _copy_sparse(kw3_s, vw3_s, ahead, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
+        if SPARSE >= 2:
+            _copy_sparse(kw4_s, vw4_s, ahead, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
         async_copy.commit_group()
-        if not LEAD:
-            current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
+        current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
         if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
             meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, B_OP)
         if SPARSE >= 2:
@@ -1412,7 +1384,7 @@ def int4_pages_kernel_v2(
             terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D,
                                 W, A_OP, B8, KM, FORMAT, PRECISE)
             if STREAMS == 2:
-                terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, ostage, zeros_b8,
+                terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, step % STAGES, zeros_b8,
                                      zeros_c8, D, W, A_OP, B8, KM, FORMAT, PRECISE)
         async_copy.wait_group(STAGES - 1)  # this page's copies have landed in shared memory
         stage = step % STAGES
@@ -1423,7 +1395,7 @@ def int4_pages_kernel_v2(
             terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, stage, zeros_b8, zeros_c8, D, W,
                                 A_OP, B8, KM, FORMAT, PRECISE)
             if STREAMS == 2:  # its scaled query is made where its product needs it (fewer live registers)
-                offset2 = _key_offset(query, km2_s, ostage, zeros_b8, zeros_c8, D, W, B8, KM)
+                offset2 = _key_offset(query, km2_s, stage, zeros_b8, zeros_c8, D, W, B8, KM)
         if FORMAT == INT4:  # the streams' q . min start the score accumulator
             offset = terms[1]
             if STREAMS == 2:
@@ -1436,14 +1408,14 @@ def int4_pages_kernel_v2(
                                    KW, FORMAT)
             if STREAMS == 2:
                 if FORMAT == INT4:
-                    terms2 = (_scaled_query(query, ks2_s, ostage, D, W, A_OP, KM, PRECISE), offset2)
-                both = _add_key_scores(both, query, terms2, kw2_s, ks2_s, ostage, c, zero_scores, PAGE, CHUNK, W, D,
+                    terms2 = (_scaled_query(query, ks2_s, stage, D, W, A_OP, KM, PRECISE), offset2)
+                both = _add_key_scores(both, query, terms2, kw2_s, ks2_s, stage, c, zero_scores, PAGE, CHUNK, W, D,
                                        B_OP, KW, FORMAT)
             if SPARSE >= 1:
-                both = _add_sparse_scores(both, query, kw3_s, ostage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
+                both = _add_sparse_scores(both, query, kw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
                                           B_OP, KW3)
             if SPARSE >= 2:
-                both = _add_sparse_scores(both, query, kw4_s, ostage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
+                both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
                                           B_OP, KW4)
             scores = _fold_rows(both, CHUNK)  # [8, CHUNK]
             start_token = (first + step) * PAGE + c * CHUNK
@@ -1469,13 +1441,13 @@ def int4_pages_kernel_v2(
             acc = _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP,
                               B_OP, VT, VS, FORMAT)
             if STREAMS == 2:
-                acc = _add_values(acc, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, ostage, c, PAGE, CHUNK, W, D, NG,
+                acc = _add_values(acc, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK, W, D, NG,
                                   A_OP, B_OP, VT, VS, FORMAT)
             if SPARSE >= 1:
-                acc = _add_sparse_values(acc, weights, vw3_s, ostage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
+                acc = _add_sparse_values(acc, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
                                          B_OP, VT3)
             if SPARSE >= 2:
-                acc = _add_sparse_values(acc, weights, vw4_s, ostage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
+                acc = _add_sparse_values(acc, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
                                          B_OP, VT4)
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
