@@ -336,7 +336,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
             else launch.pipelined_stages(capability=capability, head_dim=head_dim, page_size=page_size,
                                          format=loops[0].keys.format, value_group=loops[0].values.group_size,
                                          streams=streams_read, sparse_rows=sparse_rows)
-    if merge is None:  # measured: bench/KERNEL_NOTES.md ("The split merge inside the page kernel")
+    if merge is None:  # measured: bench/KERNEL_NOTES.md ("Splits, merges and the custom-call target at 48 calls")
         slots = splits + 1 if fused_windows else splits
         merge = ("kernel" if pipelined and fused_windows and row_blocks == 1 and not partials_only
                  and slots <= KERNEL_MERGE_SLOTS else "xla")
