@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jflashloop
+from jflashloop.apps.float64_metrics import relative_error
 from jflashloop.apps.loops.runner import DEFAULT_CHECKPOINT, _forward, held_out_windows
 from jflashloop.models.checkpoint import load_checkpoint
 from jflashloop.models.stdlib_text import default_root, load_corpus
@@ -58,10 +59,6 @@ def round_trip(x: np.ndarray, spec) -> np.ndarray:
     return np.asarray(jflashloop.decode(jflashloop.encode(jnp.asarray(x), spec)))
 
 
-def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
-
-
 def loop2_errors(calibration: np.ndarray, measured: np.ndarray, stream: str, codec: str) -> dict[str, float]:
     """Errors of loop 2 of one layer's stream (``[loops, T, H, C]`` arrays) for the three encodings."""
     spec, base_spec = SPECS[(stream, codec)], SPECS[(stream, "int4")]
@@ -73,7 +70,7 @@ def loop2_errors(calibration: np.ndarray, measured: np.ndarray, stream: str, cod
         "residual": relative_error(x1 + round_trip(x2 - x1, spec), x2),
         "direct": relative_error(round_trip(x2, spec), x2),
         "scaled": relative_error(scale * x1 + round_trip(x2 - scale * x1, spec), x2),
-        "scale_mean": float(scale.mean()),
+        "scale_mean": scale.mean(),
     }
 
 
