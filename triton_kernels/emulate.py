@@ -142,6 +142,11 @@ def _key_codes(words):
     return tuple(_t(c) for c in _nibbles(words))
 
 
+def _halves(x):  # uint32 -> (low, high) 16 bits as float16
+    x = np.asarray(x).astype(np.uint32)
+    return _t((x & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16)), _t((x >> np.uint32(16)).astype(np.uint16).view(np.float16))
+
+
 def _value_pairs(even, odd, s_even, s_odd, m_even, m_odd):
     out = []
     for e, o in zip(_nibbles(even), _nibbles(odd), strict=True):
@@ -195,7 +200,7 @@ def _asm_table():
         gluon_decode._ROTATED_KEY_ASM.value: _rotated_keys,
         gluon_decode._ROTATED_VALUE_PAIR_ASM.value: _rotated_value_pairs,
         gluon_decode._KEY_CODES_ASM.value: _key_codes,
-        gluon_decode._KEY_CODES_ASM_V2.value: _key_codes,
+        gluon_decode._HALVES_ASM.value: _halves,
         gluon_decode._VALUE_PAIR_ASM.value: _value_pairs,
         gluon_decode._VALUE_PAIR_ASM_V2.value: _value_pairs,
         gluon_decode._E2M1_KEY_ASM.value: _e2m1_keys,

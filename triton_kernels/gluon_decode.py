@@ -377,31 +377,18 @@ def _value_physical(m, W: gl.constexpr):
 #   ahead of the page being computed (no registers held by loads in flight);
 #   value rows are padded by 16 bytes so that the fragment reads from shared
 #   memory are free of bank conflicts;
-# * nibbles 1 and 5 (and 3 and 7) are taken in place (x16) and rescaled by the
-#   same instruction that removes the magic offset: 9 instructions per key word;
+# * key nibbles become float16 subnormals in place (``code * 2**-24``, x 16 for
+#   nibbles 1, 3, 5, 7): 5 integer instructions per key word, the factors joining
+#   the page's key scales and the scores;
 # * the query stays float16 in its operand layout; the page's key scales are
 #   applied by a float16 multiply and the key minimums by a matrix product
 #   (`q . min` on the tensor cores), which starts the score accumulator.
 
-_KEY_CODES_ASM_V2 = gl.constexpr("""{
-.reg .b32 a, b, c, d, t, k, s, o;
-mov.b32 k, 0x64006400;
-mov.b32 s, 0x2C002C00;
-mov.b32 o, 0xD400D400;
-lop3.b32 a, $8, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 b, $8, 0x00F000F0, 0x64006400, 0xEA;
-shr.u32 t, $8, 8;
-lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 a, a, k;
-fma.rn.f16x2 b, b, s, o;
-sub.f16x2 c, c, k;
-fma.rn.f16x2 d, d, s, o;
-mov.b32 {$0, $4}, a;
-mov.b32 {$1, $5}, b;
-mov.b32 {$2, $6}, c;
-mov.b32 {$3, $7}, d;
-}""")
+# INT4 keys as float16 subnormals: a nibble masked in place at bits 0-3 of a half is ``code * 2**-24``
+# exactly, at bits 4-7 ``16 code * 2**-24`` (the mantissa field is linear through the first normal
+# binade): 5 integer instructions per word, no float16 arithmetic (:func:`_key_tile_v2`). The x 16 of
+# nibbles 1, 3, 5, 7 joins the page's key scales (:func:`_scaled_query`), the 2**-24 the scores.
+KEY_UNIT = gl.constexpr(2.0**-24)
 
 
 def _value_pair_asm_v2() -> str:
@@ -747,7 +734,10 @@ def _scaled_query(query, ks_s, stage, D: gl.constexpr, W: gl.constexpr, A_OP: gl
     """The query scaled by one INT4 key stream's page channel scales: the A operand (float16, the
     product's high half in rows 0-7 and its low half in rows 8-15)."""
     _, hi, lo = query
-    k_scale = _key_order_1d(ks_s.index(stage).load(KM), D, W)
+    # Odd nibbles' codes enter the product x 16 (:func:`_key_tile_v2`): their channels' scales / 16.
+    channel = gl.arange(0, D, layout=KM)
+    k_scale = ks_s.index(stage).load(KM) * gl.where((channel & 1) == 1, 0.0625, 1.0).to(gl.float16)
+    k_scale = _key_order_1d(k_scale, D, W)
     scale = gl.expand_dims(gl.convert_layout(k_scale, gl.SliceLayout(0, hi.type.layout), assert_trivial=True), 0)
     # (hi + lo) * s as a float16 pair: hi * s rounded, then its exact rounding remainder plus lo * s.
     scaled_hi = hi * scale
@@ -773,10 +763,25 @@ def _q_dot(query, b, acc):
     return mma_v2(query[0], b, acc)
 
 
+_HALVES_ASM = gl.constexpr("mov.b32 {$0, $1}, $2;")
+
+
+@gluon.jit
+def _halves(x):
+    """uint32 -> its (low, high) halves as float16 bits."""
+    return gl.inline_asm_elementwise(_HALVES_ASM, "=h,=h,r", [x], dtype=(gl.float16, gl.float16), is_pure=True,
+                                     pack=1)
+
+
 @gluon.jit
 def _key_tile_v2(words, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, B_LAYOUT: gl.constexpr):
-    c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
-        _KEY_CODES_ASM_V2, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    """uint32 ``[PAGE, W]`` -> ``[D, PAGE]`` (logical key order) float16 subnormal codes in ``B_LAYOUT``:
+    ``code * KEY_UNIT``, times 16 in the channels of odd nibbles (``KEY_UNIT``)."""
+    high = words >> 8
+    c0, c4 = _halves(words & 0x000F000F)
+    c1, c5 = _halves(words & 0x00F000F0)
+    c2, c6 = _halves(high & 0x000F000F)
+    c3, c7 = _halves(high & 0x00F000F0)
     x = _join8(c0, c1, c2, c3, c4, c5, c6, c7)
     x = gl.reshape(x, [PAGE, 2, 2, W // 4, 2, 2, 2])
     x = gl.permute(x, [3, 5, 4, 1, 2, 6, 0])
@@ -1010,7 +1015,8 @@ def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CH
     rows = _q_dot(query, keys, gl.zeros([16, RP], gl.float32, layout=MMA))  # [16, RP]
     rows = gl.convert_layout(rows.to(gl.float16), A_OP, assert_trivial=True)
     token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, B_OP))
-    one_hot = (gl.expand_dims(positions, 1) == gl.expand_dims(token, 0)).to(gl.float16)  # [RP, CHUNK]
+    # [RP, CHUNK], KEY_UNIT at a row's token: the dense streams' scores are in units of KEY_UNIT
+    one_hot = gl.where(gl.expand_dims(positions, 1) == gl.expand_dims(token, 0), KEY_UNIT, 0.0).to(gl.float16)
     return mma_v2(rows, one_hot, scores)
 
 
@@ -1276,6 +1282,7 @@ def int4_pages_kernel_v2(
     slots, 8, D]``."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
+    TO_SCORES: gl.constexpr = 1.0 / KEY_UNIT if FORMAT == INT4 else 1.0  # a page's products -> scores
     MMA: gl.constexpr = _mma()
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -1400,6 +1407,7 @@ def int4_pages_kernel_v2(
             offset = terms[1]
             if STREAMS == 2:
                 offset = offset + offset2
+            offset = offset * KEY_UNIT  # the key codes' products are in units of KEY_UNIT
             start = gl.convert_layout(_tile_columns(offset, CHUNK), MMA, assert_trivial=True)
         else:
             start = zero_scores
@@ -1417,7 +1425,7 @@ def int4_pages_kernel_v2(
             if SPARSE >= 2:
                 both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
                                           B_OP, KW4)
-            scores = _fold_rows(both, CHUNK)  # [8, CHUNK]
+            scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
             start_token = (first + step) * PAGE + c * CHUNK
             # Masks only where a chunk holds a token outside the packed region (the sink's tokens,
             # those past ``packed_end``, a lost page): a uniform branch. Masked scores sit
@@ -1426,7 +1434,7 @@ def int4_pages_kernel_v2(
                 valid = gl.expand_dims((start_token + tokens >= SINK) & (start_token + tokens < packed_end)
                                        & current_live, 0)
                 scores = gl.where(valid, scores, 2 * MASK_VALUE)
-            row_max = gl.max(scores, axis=1)
+            row_max = gl.max(scores, axis=1) * TO_SCORES
             # LAZY: the running maximum moves only when a row's maximum grows by more than RESCALE_LOG2
             # (weights then stay below 2**RESCALE_LOG2; sums, outputs and the partials' maximum all
             # refer to the same running maximum, so the result is the same up to rounding).
@@ -1435,7 +1443,7 @@ def int4_pages_kernel_v2(
                     sums, acc, run_max = _rescale(sums, acc, run_max, row_max, MMA)
             else:
                 sums, acc, run_max = _rescale(sums, acc, run_max, row_max, MMA)
-            weights = gl.exp2(scores - gl.expand_dims(run_max, 1))
+            weights = gl.exp2(scores * TO_SCORES - gl.expand_dims(run_max, 1))
             sums = sums + _lane_sums(weights, CHUNK)
             p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
             acc = _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP,
