@@ -33,6 +33,7 @@ import numpy as np
 
 import jflashloop
 from jflashloop.ops._decode_attention import kernel_inputs, rotated_inputs, unrotated_output
+from jflashloop_triton_kernels import launch as gluon_launch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import decode as bench
@@ -48,13 +49,15 @@ def formulation(name, loop=0, pages_only=False):
     from jflashloop_triton_kernels import decode_attention as gluon
 
     # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-n<pages>][-r<maxnreg>][-k][-m|-mx|-mg][-f|-x]: pipelined
-    # kernel, fused windows, token chunk, target programs, least pages per split (default 8, as the library),
+    # kernel, fused windows, token chunk, target programs, least pages per split (the library's 8; twice that
+    # where a wave stays full, launch.split_count; -n4 gives the split counts of that rule's absence),
     # register cap, kernel partials only (no merge), merge inside the kernel (-m), by XLA (-mx) or by the
     # Gluon merge kernel (-mg) instead of the library's default,
     # one float16 query (-f) or the precise float16 pair (-x) instead of the default, lazy rescaling (-l)
-    stages, fused, chunk, programs, partials, maxnreg, merge, precise = None, False, None, 2048, False, None, None, None
+    stages, fused, chunk, partials, maxnreg, merge, precise = None, False, None, False, None, None, None
+    programs = gluon_launch.TARGET_PROGRAMS
     lazy = None
-    min_pages = 8  # the library's default
+    min_pages = gluon_launch.MIN_PAGES_PER_SPLIT  # the library's default
     if name.startswith("gluon2-s"):
         kernel = "pipelined"
         head, *options = name.removeprefix("gluon2-s").split("-")

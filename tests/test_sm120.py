@@ -152,3 +152,20 @@ def test_kernels_compile_for_sm120(capsys):
     for name in quick:
         assert f"| {name} | sm_120 | yes |" in table and table.count(f"| {name} |") == 1, table
     assert table.count("| ok |") == len(quick), table
+
+
+@pytest.mark.parametrize("pairs, max_pages, expected", [
+    (64, 512, 32),  # B8 Hkv8 T32K: 2048 programs of 16 pages
+    (16, 1024, 64),  # B1 Hkv16 T64K: 16 pages per split still fill a wave (1024 programs)
+    (64, 64, 8),  # B8 Hkv8 T4K: 8 pages per split; 16 would leave 256 programs
+    (24, 512, 64),  # B8 Hkv3 T32K: 16-page splits would give 768 programs, under a wave
+    (1, 3, 1),  # one short sequence
+    (4096, 100, 1),  # more pairs than programs wanted
+])
+def test_split_count(pairs, max_pages, expected):
+    assert gluon_launch.split_count(pairs, max_pages) == expected
+
+
+def test_split_count_rejects_empty_sizes():
+    with pytest.raises(ValueError, match="positive sizes"):
+        gluon_launch.split_count(0, 10)

@@ -254,7 +254,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            loops, page_size: int, sink_tokens: int, window_loop: int,
                            scale: float, splits: int | None = None, pages_only: bool = False,
                            kernel: str = "pipelined", stages: int | None = None, fused_windows: bool = True,
-                           chunk: int | None = None, target_programs: int = 2048, min_pages_per_split: int = 8,
+                           chunk: int | None = None, target_programs: int = launch.TARGET_PROGRAMS,
+                           min_pages_per_split: int = launch.MIN_PAGES_PER_SPLIT,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
                            merge: str | None = None, precise: bool | None = None, lazy: bool | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
@@ -273,7 +274,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       ``"triton"`` (the simple kernel's algorithm in plain Triton).
     * ``splits``: split-KV programs per (sequence, KV head); None gives about
       ``target_programs`` programs in all, but no fewer than
-      ``min_pages_per_split`` pages per program.
+      ``min_pages_per_split`` pages per program (twice that where a wave
+      stays full: :func:`jflashloop_triton_kernels.launch.split_count`).
     * ``chunk``: tokens per step inside a page (default: the page);
       ``maxnreg``: a register cap per thread (ptxas).
     * ``pages_only`` skips the windows and ``partials_only`` returns the
@@ -313,8 +315,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         raise NotImplementedError("the in-kernel merge reads groups of at most 8 query rows")
     max_pages = block_tables.shape[1]
     if splits is None:
-        wanted = -(-target_programs // (sequences * kv_heads * row_blocks))
-        splits = max(1, min(wanted, -(-max_pages // min_pages_per_split)))
+        splits = launch.split_count(sequences * kv_heads * row_blocks, max_pages, target_programs=target_programs,
+                                    min_pages_per_split=min_pages_per_split)
     query = None
     if not pipelined or not (fused_windows and not pages_only):  # the simple kernels and the window partials
         query = queries.astype(jnp.float32) * (scale * LOG2_E)

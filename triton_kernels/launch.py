@@ -1,4 +1,11 @@
-"""Pipeline depth of the Gluon page kernel for the target GPU's shared memory.
+"""Launch parameters of the Gluon page kernel: split-KV programs and pipeline depth.
+
+:func:`split_count` chooses the programs per (sequence, KV head). The page
+kernel holds 8 one-warp programs per SM (its registers and shared memory both
+limit it there: ncu, ``bench/RESULTS.md``), about 1056 on an H200; a program
+count just above a whole wave leaves most SMs idle for a second round (1152
+programs took 1.4x the time of 2048 at B8 Hq32 Hkv8 T32K), and each program
+pays a fixed start (its query, the first page's latency, its partial).
 
 The pipelined kernel (``gluon_decode.int4_pages_kernel_v2``) allocates its
 shared memory explicitly: ``STAGES`` copies of each stream's page tile (key
@@ -16,6 +23,9 @@ from __future__ import annotations
 
 from jflashloop_pallas_kernels import launch
 
+TARGET_PROGRAMS = 2048  # about two waves of the page kernel on an H200 (132 SMs x 8 programs)
+WAVE_PROGRAMS = 1024  # about one wave: fewer programs leave SMs idle
+MIN_PAGES_PER_SPLIT = 8
 PREFERRED_STAGES = 2  # one stream (bench/KERNEL_NOTES.md, H200)
 CHAIN_STAGES = 1  # two or more streams (loops 2-4): the shared memory of a second stage halves the blocks per SM
 
@@ -45,6 +55,31 @@ def pipelined_shared_bytes(*, head_dim: int, page_size: int, stages: int, format
     }[format]
     sparse = sum(2 * _padded_sparse_rows(rows) * head_dim // 2 for rows in sparse_rows)  # key + value words
     return stages * (streams * (words + metadata) + sparse)
+
+
+def split_count(pairs: int, max_pages: int, *, target_programs: int = TARGET_PROGRAMS,
+                min_pages_per_split: int = MIN_PAGES_PER_SPLIT) -> int:
+    """Split-KV programs per (sequence, KV head): about ``target_programs`` programs in all, at least
+    ``min_pages_per_split`` pages each; twice those pages where the programs still fill a wave
+    (:data:`WAVE_PROGRAMS`), so few long sequences pay fewer program starts and partials.
+
+    Args:
+      pairs: (sequence, KV head, block of query rows) triples the grid covers.
+      max_pages: pages a sequence can hold (the block table's width).
+
+    Returns:
+      int >= 1 (measured: B1 Hq16 Hkv16 T64K 0.063 ms with 64 splits of 16 pages against 0.067 ms
+      with 128 splits of 8; ``bench/RESULTS.md``).
+    """
+    if pairs < 1 or max_pages < 1 or target_programs < 1 or min_pages_per_split < 1:
+        raise ValueError(f"split_count needs positive sizes, got pairs={pairs}, max_pages={max_pages}, "
+                         f"target_programs={target_programs}, min_pages_per_split={min_pages_per_split}")
+    wanted = -(-target_programs // pairs)
+    splits = max(1, min(wanted, -(-max_pages // min_pages_per_split)))
+    longer = -(-max_pages // (2 * min_pages_per_split))
+    if longer < splits and pairs * longer >= WAVE_PROGRAMS:
+        splits = longer
+    return splits
 
 
 def preferred_stages(*, streams: int = 1, sparse_rows: tuple[int, ...] = ()) -> int:
