@@ -30,6 +30,7 @@ from jflashloop import (
     paged_cache,
     persistence,
 )
+from jflashloop_pallas_kernels import decode_attention as pallas_decode
 
 CONFIG = CacheConfig(
     num_layers=1, num_kv_heads=1, head_dim=16, num_pages=6, max_sequences=2, max_pages_per_sequence=3,
@@ -240,6 +241,8 @@ BAD_INPUTS = [
     ("decode_attention (fused): int queries",
      lambda: jflashloop.decode_attention(_queries(jnp.int32), one_active_cache(), 0, 0, implementation="pallas"),
      TypeError, "queries must have a floating dtype .*got int32"),
+    ("decode_attention: KernelConfig(target_programs=0)", lambda: pallas_decode.KernelConfig(target_programs=0),
+     ValueError, "KernelConfig.target_programs must be >= 1, got 0"),
     ("free: slot out of range", lambda: paged_cache.free(one_active_cache(), 2), IndexError, "slot must be in"),
     ("validate: a page held twice, counted once",
      lambda: paged_cache.validate(_corrupt(
