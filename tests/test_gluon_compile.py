@@ -78,3 +78,16 @@ def test_pipelined_kernel_reads_more_query_rows_in_blocks_of_eight():
         ptx = compiled.asm["ptx"]
         assert _count(ptx, r"st\.shared") == 0 and compiled.metadata.shared == single.metadata.shared
         assert compile_check.ptxas_resources(ptx, "sm_90a")["spill_stores"] == 0
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_in_kernel_merge_keeps_the_warps_per_sm_at_head_dim_64(group):
+    """The merge's slots per round trip grow for small groups, within the registers the page loop holds
+    anyway: at head_dim 64 the page kernel fits 3 warps per scheduler (168 registers at most); a merge
+    holding 128 registers of partials (195 in all) would cost a third of them."""
+    merged = compile_check.compile_pages_kernel("pipelined", head_dim=64, group=group, merge=True)
+    alone = compile_check.compile_pages_kernel("pipelined", head_dim=64, group=group)
+    merged_registers = compile_check.ptxas_resources(merged.asm["ptx"], "sm_90a")["registers"]
+    alone_registers = compile_check.ptxas_resources(alone.asm["ptx"], "sm_90a")["registers"]
+    assert alone_registers <= 168
+    assert merged_registers <= 168

@@ -1146,21 +1146,41 @@ def _store_merged(final_ptr, program, total, combined, rows, cols, D: gl.constex
     gl.store(final_ptr + (program * GROUP + r3) * D + c3, result, mask=(r3 < GROUP) & (c3 < D))
 
 
+@gluon.constexpr_function
+def _merge_rows(group: int) -> int:
+    """Rows the in-kernel merge reads per slot: the group padded to a power of two (<= 8)."""
+    return 1 << (group - 1).bit_length()
+
+
+@gluon.constexpr_function
+def _merge_slots(head_dim: int, group: int) -> int:
+    """Slots per round trip of the in-kernel merge (:func:`merge_layout`, one warp): ``512 / D`` (the
+    ``[SB, 8, D]`` float32 of a full group, 128 registers a thread), or as many as 64 registers hold
+    when the group has fewer rows (32 at most). More would raise the kernel's registers above its
+    page loop's (ptxas, head_dim 64)."""
+    lanes_c = min(head_dim // 4, 32)
+    rows_per_thread = max(1, _merge_rows(group) // (32 // lanes_c))
+    return min(32, max(512 // head_dim, 64 // (rows_per_thread * (head_dim // lanes_c))))
+
+
 @gluon.jit
 def _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D: gl.constexpr, GROUP: gl.constexpr):
     """Stable log-sum-exp merge of the ``slots`` partials of ``program`` (a (sequence, KV head))
     into its ``GROUP`` rows of ``final [S, H * GROUP, D]`` (zeros where nothing was visible).
 
     One warp: the rows' maximum from 32 slots per load, then the weighted sums
-    ``SB`` slots at a time (their loads independent: one round trip per block)."""
-    SB: gl.constexpr = 512 // D  # [SB, 8, D] float32 partials: 128 registers a thread
+    ``SB`` slots at a time (their loads independent: one round trip per block). Only the group's
+    rows are held, so a group of one or two rows takes more slots per round trip (head_dim 128: 16
+    and 8 against 4)."""
+    RG: gl.constexpr = _merge_rows(GROUP)
+    SB: gl.constexpr = _merge_slots(D, GROUP)
     L3: gl.constexpr = merge_layout(SB, D, 1)
-    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [SB, 8]
-    LM: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])  # [32, 8]: a slot per lane
+    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [SB, RG]
+    LM: gl.constexpr = gl.BlockedLayout([1, RG], [32, 1], [1, 1], [1, 0])  # [32, RG]: a slot per lane
     base = program * slots
     m_slots = gl.arange(0, 32, layout=gl.SliceLayout(1, LM))
-    m_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, LM))
-    best = gl.full([8], MASK_VALUE, gl.float32, layout=gl.SliceLayout(0, LM))
+    m_rows = gl.arange(0, RG, layout=gl.SliceLayout(0, LM))
+    best = gl.full([RG], MASK_VALUE, gl.float32, layout=gl.SliceLayout(0, LM))
     for first in range(0, slots, 32):
         slot = first + m_slots
         keep = gl.expand_dims(slot < slots, 1) & gl.expand_dims(m_rows < GROUP, 0)
@@ -1168,11 +1188,11 @@ def _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D: gl.
         best = gl.maximum(best, gl.max(gl.load(max_ptr + meta, mask=keep, other=MASK_VALUE), axis=0))
     best = gl.convert_layout(best, gl.SliceLayout(0, LS))
     b_slots = gl.arange(0, SB, layout=gl.SliceLayout(1, LS))
-    rows = gl.arange(0, 8, layout=gl.SliceLayout(0, LS))
+    rows = gl.arange(0, RG, layout=gl.SliceLayout(0, LS))
     row_ok = gl.expand_dims(rows < GROUP, 0)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    total = gl.zeros([1, 8, 1], gl.float32, layout=L3)
-    combined = gl.zeros([1, 8, D], gl.float32, layout=L3)
+    total = gl.zeros([1, RG, 1], gl.float32, layout=L3)
+    combined = gl.zeros([1, RG, D], gl.float32, layout=L3)
     for first in range(0, slots, SB):
         sums, parts = _weighted_partials(out_ptr, sum_ptr, max_ptr, base, first, slots, best, b_slots, rows,
                                          row_ok, cols, D)
