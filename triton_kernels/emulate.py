@@ -142,9 +142,11 @@ def _key_codes(words):
     return tuple(_t(c) for c in _nibbles(words))
 
 
-def _halves(x):  # uint32 -> (low, high) 16 bits as float16
+def _halves(x):  # uint32 -> its (low, high) 16 bits as float16
     x = np.asarray(x).astype(np.uint32)
-    return _t((x & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16)), _t((x >> np.uint32(16)).astype(np.uint16).view(np.float16))
+    low = (x & np.uint32(0xFFFF)).astype(np.uint16)
+    high = (x >> np.uint32(16)).astype(np.uint16)
+    return _t(low.view(np.float16)), _t(high.view(np.float16))
 
 
 def _value_pairs(even, odd, s_even, s_odd, m_even, m_odd):

@@ -776,7 +776,8 @@ def _halves(x):
 @gluon.jit
 def _key_tile_v2(words, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, B_LAYOUT: gl.constexpr):
     """uint32 ``[PAGE, W]`` -> ``[D, PAGE]`` (logical key order) float16 subnormal codes in ``B_LAYOUT``:
-    ``code * KEY_UNIT``, times 16 in the channels of odd nibbles (``KEY_UNIT``)."""
+    ``code * KEY_UNIT``, times 16 in the channels of odd nibbles (whose scales :func:`_scaled_query`
+    divides by 16)."""
     high = words >> 8
     c0, c4 = _halves(words & 0x000F000F)
     c1, c5 = _halves(words & 0x00F000F0)
