@@ -48,15 +48,16 @@ def formulation(name, loop=0, pages_only=False):
         return bench.ours(loop, implementation=None)
     from jflashloop_triton_kernels import decode_attention as gluon
 
-    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-n<pages>][-r<maxnreg>][-k][-m|-mx|-mg][-f|-x]: pipelined
+    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-n<pages>][-r<maxnreg>][-k][-m|-mx|-mg][-f|-x][-l][-o]: pipelined
     # kernel, fused windows, token chunk, target programs, least pages per split (the library's 8; twice that
     # where a wave stays full, launch.split_count; -n4 gives the split counts of that rule's absence),
     # register cap, kernel partials only (no merge), merge inside the kernel (-m), by XLA (-mx) or by the
     # Gluon merge kernel (-mg) instead of the library's default,
-    # one float16 query (-f) or the precise float16 pair (-x) instead of the default, lazy rescaling (-l)
+    # one float16 query (-f) or the precise float16 pair (-x) instead of the default, lazy rescaling (-l),
+    # the next page's scores before this page's softmax (-o)
     stages, fused, chunk, partials, maxnreg, merge, precise = None, False, None, False, None, None, None
     programs = gluon_launch.TARGET_PROGRAMS
-    lazy = None
+    lazy = overlap = None
     min_pages = gluon_launch.MIN_PAGES_PER_SPLIT  # the library's default
     if name.startswith("gluon2-s"):
         kernel = "pipelined"
@@ -85,6 +86,8 @@ def formulation(name, loop=0, pages_only=False):
                 precise = True
             elif option == "l":
                 lazy = True
+            elif option == "o":
+                overlap = True
     elif name == "gluon":
         kernel = "simple"
     else:
@@ -103,7 +106,8 @@ def formulation(name, loop=0, pages_only=False):
             scale=1 / math.sqrt(c.head_dim), pages_only=pages_only, kernel=kernel,
             stages=stages, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
             min_pages_per_split=min_pages,
-            partials_only=partials, maxnreg=maxnreg, merge=merge, precise=precise, lazy=lazy)
+            partials_only=partials, maxnreg=maxnreg, merge=merge, precise=precise, lazy=lazy,
+            overlap=overlap)
         return out if partials else unrotated_output(out, value_seed)
 
     return run

@@ -49,7 +49,9 @@ TOLERANCE = 2e-3
 VERSIONS = {1: dict(kernel="simple"), 2: dict(kernel="pipelined", fused_windows=False), 3: {},  # 3: the default
             4: dict(stages=1),  # no page in flight ahead (shared memory of small GPUs)
             5: dict(precise=False),  # one float16 query (the pairs are the default)
-            6: dict(lazy=True)}  # the running softmax state rescaled only when a maximum grows by > 2**8
+            6: dict(lazy=True),  # the running softmax state rescaled only when a maximum grows by > 2**8
+            7: dict(stages=3, overlap=True),  # each page's scores made before the previous page's softmax
+            8: dict(stages=3)}
 
 
 def gpu_only(*values):
@@ -89,6 +91,40 @@ def test_lazy_rescaling_matches_the_reference(rng):
     expected = jflashloop.decode_attention_reference(queries, cache, 1, 0, include_pending=False)
     errors = relative_errors(gluon_attention(queries, cache, 1, splits=2, version=6), expected)
     assert (errors < TOLERANCE).all(), errors
+
+
+@pytest.mark.parametrize("format, page_size", [("int4", 16), ("int4", 64), ("nvfp4", 32), ("int4_rotated", 16)])
+def test_overlapped_pages_give_the_same_bits(rng, format, page_size):
+    """Making page ``p + 1``'s scores before page ``p``'s softmax reorders the work, not the arithmetic:
+    the same bits as the plain loop with the same stages, at one page per program, many, none (more
+    splits than pages) and a lost page; and within the reference's tolerance."""
+    codec = {"int4": None, "nvfp4": (jflashloop.NVFP4,) * 2,
+             "int4_rotated": (jflashloop.int4_rotated(64, 3), jflashloop.int4_rotated(64, 4))}[format]
+    config = one_loop_config(64, page_size, max_pages_per_sequence=12, num_pages=48, max_sequences=4)
+    if codec is not None:
+        config = dataclasses.replace(config, loops=(LoopStorage(*codec),))
+    cache, _ = build(rng, config, prompt_lengths=[5 * page_size + 9, 3, 2 * page_size, page_size + 1], steps=2)
+    queries = jnp.asarray(rng.standard_normal((4, 8, 64)) * 3, jnp.float32)
+    expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=True)
+    for splits in (1, 2, 9):
+        plain = np.asarray(gluon_attention(queries, cache, 0, include_pending=True, splits=splits, version=8))
+        overlapped = np.asarray(gluon_attention(queries, cache, 0, include_pending=True, splits=splits, version=7))
+        assert_bits_equal(overlapped, plain, f"{splits} splits")
+        assert (relative_errors(overlapped, expected) < TOLERANCE).all(), (splits, relative_errors(overlapped, expected))
+    lost_config = small_config(num_layers=1, head_dim=64, page_size=16, num_pages=3, max_pages_per_sequence=3,
+                               max_sequences=2, num_loops=1, recent_tokens=16)
+    if format == "int4" and page_size == 16:
+        lost, _ = lost_page_cache(rng, lost_config, 1)
+        lost_queries = queries[:2, :4]
+        assert_bits_equal(np.asarray(gluon_attention(lost_queries, lost, 0, splits=2, version=7)),
+                          np.asarray(gluon_attention(lost_queries, lost, 0, splits=2, version=8)), "lost page")
+
+
+def test_overlap_refuses_chains():
+    config = small_config(num_loops=2, page_size=16, head_dim=64, max_pages_per_sequence=8, num_pages=32)
+    cache, _ = build(np.random.default_rng(0), config, prompt_lengths=[40], steps=1)
+    with pytest.raises(ValueError, match="one dense stream"):
+        gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0, loop=1, version=7)
 
 
 def relative_errors(actual, expected):

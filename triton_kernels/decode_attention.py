@@ -112,7 +112,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
                   emulate: bool = False, merge_group: int | None = None, precise: bool = True,
                   query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0),
-                  row_blocks: int = 1, lazy: bool = False):
+                  row_blocks: int = 1, lazy: bool = False, overlap: bool = False):
     """Run the Gluon page kernel.
 
     Args:
@@ -136,6 +136,9 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         query ``[S, H, group, D]`` with ``group <= 8 row_blocks``).
       lazy: rescale the running softmax state only when a row's maximum grows
         by more than ``gluon_decode.RESCALE_LOG2`` (pipelined kernel).
+      overlap: make each page's scores before the previous page's softmax
+        (pipelined kernel; one dense stream, whole-page chunks, three stages
+        or more to keep a page in flight).
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
       splits, 8], max [...])`` float32, natural channel order (program ``h *
@@ -171,6 +174,9 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
             return [stream["payload"], stream["scale"], stream["scale"]]
         return [stream["payload"], stream["scale"], stream["minimum"]]
 
+    if overlap and (stages is None or stages < 2 or residual is not None or sparse or (chunk or page_size) != page_size):
+        raise ValueError("overlap needs the pipelined kernel with 2 or more stages, one dense stream and "
+                         "whole-page chunks")
     if stages is not None:  # the pipelined kernel: the sequence state, not the bounds
         if state is None:
             raise ValueError("the pipelined kernel reads the sequence state (lengths, active)")
@@ -203,7 +209,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         extra.update(MERGE=merge_group is not None, GROUP=group, PRECISE=precise,
                      QSCALE=1.0 if query_scale is None else float(query_scale),
                      PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]), RB=row_blocks,
-                     LAZY=lazy)
+                     LAZY=lazy, OVERLAP=overlap)
     elif query_scale is not None:
         raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
@@ -248,7 +254,7 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
                                              "splits", "pages_only", "kernel", "stages",
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
                                              "partials_only", "maxnreg", "emulate", "merge", "precise",
-                                             "limits", "lazy"))
+                                             "limits", "lazy", "overlap"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, state=None, limits: tuple[int, int, int] | None = None,
                            loops, page_size: int, sink_tokens: int, window_loop: int,
@@ -257,7 +263,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            chunk: int | None = None, target_programs: int = launch.TARGET_PROGRAMS,
                            min_pages_per_split: int = launch.MIN_PAGES_PER_SPLIT,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
-                           merge: str | None = None, precise: bool | None = None, lazy: bool | None = None):
+                           merge: str | None = None, precise: bool | None = None, lazy: bool | None = None,
+                           overlap: bool | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -290,6 +297,9 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     * ``lazy`` (pipelined kernel): rescale the running softmax state only
       when a row's maximum grows by more than ``RESCALE_LOG2`` (fewer
       multiplies per page). None: off.
+    * ``overlap`` (pipelined kernel, one dense stream, whole-page chunks):
+      make each page's scores before the previous page's softmax, so that
+      their products overlap it. None: off.
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -349,6 +359,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         precise = True
     if lazy is None:
         lazy = False
+    if overlap is None:
+        overlap = False
     # The pipelined kernel scales and pads the caller's queries itself (no XLA pass before it).
     kernel_query = queries.reshape(sequences, kv_heads, group, head_dim) if pipelined else query
     outputs = page_partials(
@@ -357,7 +369,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks, lazy=lazy,
-        **({} if limits is None else {"limits": limits}),
+        overlap=overlap, **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]
     if in_kernel:

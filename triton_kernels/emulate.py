@@ -231,6 +231,11 @@ class _Program:
     ids = (0, 0, 0)
 
 
+def _static_assert(condition, message=""):
+    if not condition:
+        raise AssertionError(message)
+
+
 def _gluon_namespace():
     g = types.SimpleNamespace()
     for name in ("BlockedLayout", "SliceLayout", "DistributedLinearLayout", "DotOperandLayout",
@@ -265,6 +270,7 @@ def _gluon_namespace():
     g.where = lambda c, a, b: _t(np.where(c, a, b).astype(np.result_type(a, b)))
     g.cdiv = lambda a, b: (a + b - 1) // b
     g.static_range = range
+    g.static_assert = _static_assert
     g.load = _load
     g.store = _store
     g.atomic_add = _atomic_add

@@ -256,6 +256,38 @@ def _fold_rows(s, N: gl.constexpr):
 
 
 @gluon.jit
+def _mask_chunk(scores, start_token, tokens, live, packed_end, SINK: gl.constexpr, CHUNK: gl.constexpr):
+    """``scores [8, CHUNK]`` of tokens ``start_token + tokens`` with those outside the packed
+    region (the sink's tokens, those past ``packed_end``, a lost page: ``not live``) at
+    ``2 MASK_VALUE``, below the running maximum's start, so their weights are exactly 0. Masks
+    only where the chunk holds such a token: a uniform branch."""
+    if (start_token < SINK) | (start_token + CHUNK > packed_end) | (not live):
+        valid = gl.expand_dims((start_token + tokens >= SINK) & (start_token + tokens < packed_end) & live, 0)
+        scores = gl.where(valid, scores, 2 * MASK_VALUE)
+    return scores
+
+
+@gluon.jit
+def _chunk_weights(scores, sums, acc, run_max, TO_SCORES: gl.constexpr, CHUNK: gl.constexpr,
+                   MMA: gl.constexpr, LAZY: gl.constexpr):
+    """One chunk's online softmax: ``scores [8, CHUNK]`` (x ``TO_SCORES``, base-2 logits) ->
+    (weights float32 ``[8, CHUNK]``, sums, acc, run_max) with the running state moved to the
+    new maximum. ``LAZY``: the running maximum moves only when a row's maximum grows by more
+    than ``RESCALE_LOG2`` (weights then stay below ``2**RESCALE_LOG2``; sums, outputs and the
+    partials' maximum all refer to the same running maximum, so the result is the same up to
+    rounding)."""
+    row_max = gl.max(scores, axis=1) * TO_SCORES
+    if LAZY:
+        if gl.max(row_max - run_max, axis=0) > RESCALE_LOG2:
+            sums, acc, run_max = _rescale(sums, acc, run_max, row_max, MMA)
+    else:
+        sums, acc, run_max = _rescale(sums, acc, run_max, row_max, MMA)
+    weights = gl.exp2(scores * TO_SCORES - gl.expand_dims(run_max, 1))
+    sums = sums + _lane_sums(weights, CHUNK)
+    return weights, sums, acc, run_max
+
+
+@gluon.jit
 def int4_pages_kernel(
     q_ptr,  # float32 [S, H, 8, D], pre-scaled by softmax scale * log2(e)
     table_ptr,  # int32 [S, max_pages]
@@ -1079,6 +1111,20 @@ def _add_key_scores(scores, query, terms, kw_s, ks_s, stage, c, zero_scores, PAG
 
 
 @gluon.jit
+def _page_scores(query, terms, kw_s, ks_s, stage, zero_scores, PAGE: gl.constexpr, W: gl.constexpr,
+                 D: gl.constexpr, B_OP: gl.constexpr, KW: gl.constexpr, MMA: gl.constexpr, FORMAT: gl.constexpr):
+    """One stream's scores ``[8, PAGE]`` of the whole page in ``stage`` (INT4: in units of
+    ``KEY_UNIT``, ``q . min`` included)."""
+    if FORMAT == INT4:  # q . min starts the score accumulator, in the key codes' units
+        start = gl.convert_layout(_tile_columns(terms[1] * KEY_UNIT, PAGE), MMA, assert_trivial=True)
+    else:
+        start = zero_scores
+    both = _add_key_scores(start, query, terms, kw_s, ks_s, stage, 0, zero_scores, PAGE, PAGE, W, D, B_OP, KW,
+                           FORMAT)
+    return _fold_rows(both, PAGE)
+
+
+@gluon.jit
 def _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE: gl.constexpr, CHUNK: gl.constexpr,
                 W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
                 VT: gl.constexpr, VS: gl.constexpr, FORMAT: gl.constexpr):
@@ -1269,7 +1315,7 @@ def int4_pages_kernel_v2(
     FORMAT: gl.constexpr = 0, SPARSE: gl.constexpr = 0, R3: gl.constexpr = 16, R4: gl.constexpr = 16,
     MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
-    RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False,
+    RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False, OVERLAP: gl.constexpr = False,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1291,7 +1337,10 @@ def int4_pages_kernel_v2(
     8-15 of the m16 products (no extra product): about 10x less error on keys
     with outlier channels and large per-channel offsets. ``LAZY`` rescales the
     running softmax state only when a row's maximum grows by more than
-    ``RESCALE_LOG2``.
+    ``RESCALE_LOG2``. ``OVERLAP`` (one dense stream, ``CHUNK == PAGE``,
+    ``STAGES`` >= 3 to keep a page in flight) makes page ``step + 1``'s
+    scores before page ``step``'s softmax, so that their products overlap
+    the softmax's dependent chain (one basic block per page).
 
     The query ``q_ptr`` here is the caller's ``[S, H * GROUP, D]`` (float32,
     bfloat16 or float16, natural channel order, not padded): the kernel
@@ -1390,94 +1439,136 @@ def int4_pages_kernel_v2(
     tokens = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, _top_rows(zero_scores, CHUNK).type.layout))
     sums = _lane_sums(_top_rows(zero_scores, CHUNK), CHUNK)  # [8, 8]: per-thread partial row sums
 
-    for step in range(count):
-        ahead = (step + STAGES - 1) % STAGES
-        tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
-        _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, ahead, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
-                     vm_ptr, PAGE, W, D, NG, FORMAT)
-        if STREAMS == 2:
-            _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, ahead, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
-                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
-        if SPARSE >= 1:
-            _copy_sparse(kw3_s, vw3_s, ahead, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
-        if SPARSE >= 2:
-            _copy_sparse(kw4_s, vw4_s, ahead, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
-        async_copy.commit_group()
-        current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
-        if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
-            meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, B_OP)
-        if SPARSE >= 2:
-            meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, B_OP)
-        if FORMAT == NVFP4:  # the tile scales come from global memory: load them before waiting
-            terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D,
-                                W, A_OP, B8, KM, FORMAT, PRECISE)
-            if STREAMS == 2:
-                terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, step % STAGES, zeros_b8,
-                                     zeros_c8, D, W, A_OP, B8, KM, FORMAT, PRECISE)
-        async_copy.wait_group(STAGES - 1)  # this page's copies have landed in shared memory
-        stage = step % STAGES
+    if OVERLAP:
+        gl.static_assert((STREAMS == 1) & (SPARSE == 0) & (CHUNK == PAGE) & (STAGES >= 2),
+                         "OVERLAP reads one dense stream in whole-page chunks")
+        # Page 0's scores; then each step copies a page ahead, masks the scores of page ``step``,
+        # waits for page ``step + 1`` and makes its scores, and finishes page ``step`` (softmax,
+        # values). The last page is finished after the loop.
+        following, following_live = _page_tile(0, count, first, seq, head, table_ptr, pool_pages, max_pages)
+        if FORMAT == NVFP4:
+            terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, 0, zeros_b8, zeros_c8, D, W, A_OP, B8,
+                                KM, FORMAT, PRECISE)
+        async_copy.wait_group(STAGES - 2)
+        if FORMAT == INT4:
+            terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, 0, zeros_b8, zeros_c8, D, W, A_OP, B8,
+                                KM, FORMAT, PRECISE)
         if FORMAT == ROTATED:
             terms = (0.0, 0.0)
-            terms2 = (0.0, 0.0)
-        if FORMAT == INT4:  # the key metadata is in shared memory: read it after waiting
-            terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, stage, zeros_b8, zeros_c8, D, W,
-                                A_OP, B8, KM, FORMAT, PRECISE)
-            if STREAMS == 2:  # its scaled query is made where its product needs it (fewer live registers)
-                offset2 = _key_offset(query, km2_s, stage, zeros_b8, zeros_c8, D, W, B8, KM)
-        if FORMAT == INT4:  # the streams' q . min start the score accumulator
-            offset = terms[1]
-            if STREAMS == 2:
-                offset = offset + offset2
-            offset = offset * KEY_UNIT  # the key codes' products are in units of KEY_UNIT
-            start = gl.convert_layout(_tile_columns(offset, CHUNK), MMA, assert_trivial=True)
+        ahead_scores = _page_scores(query, terms, kw_s, ks_s, 0, zero_scores, PAGE, W, D, B_OP, KW, MMA, FORMAT)
+        if FORMAT == NVFP4:  # the value tile scale of the page being finished
+            value_term = terms[1]
         else:
-            start = zero_scores
-        for c in gl.static_range(PAGE // CHUNK):
-            both = _add_key_scores(start, query, terms, kw_s, ks_s, stage, c, zero_scores, PAGE, CHUNK, W, D, B_OP,
-                                   KW, FORMAT)
-            if STREAMS == 2:
-                if FORMAT == INT4:
-                    terms2 = (_scaled_query(query, ks2_s, stage, D, W, A_OP, KM, PRECISE), offset2)
-                both = _add_key_scores(both, query, terms2, kw2_s, ks2_s, stage, c, zero_scores, PAGE, CHUNK, W, D,
-                                       B_OP, KW, FORMAT)
-            if SPARSE >= 1:
-                both = _add_sparse_scores(both, query, kw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
-                                          B_OP, KW3)
-            if SPARSE >= 2:
-                both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
-                                          B_OP, KW4)
-            scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
-            start_token = (first + step) * PAGE + c * CHUNK
-            # Masks only where a chunk holds a token outside the packed region (the sink's tokens,
-            # those past ``packed_end``, a lost page): a uniform branch. Masked scores sit
-            # ``MASK_VALUE`` below the running maximum's start, so their weights are exactly 0.
-            if (start_token < SINK) | (start_token + CHUNK > packed_end) | (not current_live):
-                valid = gl.expand_dims((start_token + tokens >= SINK) & (start_token + tokens < packed_end)
-                                       & current_live, 0)
-                scores = gl.where(valid, scores, 2 * MASK_VALUE)
-            row_max = gl.max(scores, axis=1) * TO_SCORES
-            # LAZY: the running maximum moves only when a row's maximum grows by more than RESCALE_LOG2
-            # (weights then stay below 2**RESCALE_LOG2; sums, outputs and the partials' maximum all
-            # refer to the same running maximum, so the result is the same up to rounding).
-            if LAZY:
-                if gl.max(row_max - run_max, axis=0) > RESCALE_LOG2:
-                    sums, acc, run_max = _rescale(sums, acc, run_max, row_max, MMA)
-            else:
-                sums, acc, run_max = _rescale(sums, acc, run_max, row_max, MMA)
-            weights = gl.exp2(scores * TO_SCORES - gl.expand_dims(run_max, 1))
-            sums = sums + _lane_sums(weights, CHUNK)
+            value_term = 0.0
+        for step in range(count - 1):
+            ahead = (step + STAGES - 1) % STAGES
+            tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
+            _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, ahead, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr,
+                         vs_ptr, vm_ptr, PAGE, W, D, NG, FORMAT)
+            async_copy.commit_group()
+            current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
+            scores = _mask_chunk(ahead_scores, (first + step) * PAGE, tokens, current_live, packed_end, SINK, PAGE)
+            following, following_live = _page_tile(step + 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
+            stage = step % STAGES
+            next_stage = (step + 1) % STAGES
+            if FORMAT == NVFP4:
+                terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, next_stage, zeros_b8, zeros_c8, D,
+                                    W, A_OP, B8, KM, FORMAT, PRECISE)
+            async_copy.wait_group(STAGES - 2)  # page step + 1 has landed
+            if FORMAT == INT4:
+                terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, next_stage, zeros_b8, zeros_c8, D,
+                                    W, A_OP, B8, KM, FORMAT, PRECISE)
+            if FORMAT == ROTATED:
+                terms = (0.0, 0.0)
+            ahead_scores = _page_scores(query, terms, kw_s, ks_s, next_stage, zero_scores, PAGE, W, D, B_OP, KW,
+                                        MMA, FORMAT)
+            weights, sums, acc, run_max = _chunk_weights(scores, sums, acc, run_max, TO_SCORES, PAGE, MMA, LAZY)
             p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-            acc = _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP,
-                              B_OP, VT, VS, FORMAT)
+            acc = _add_values(acc, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, stage, 0, PAGE, PAGE, W, D, NG,
+                              A_OP, B_OP, VT, VS, FORMAT)
+            if FORMAT == NVFP4:
+                value_term = terms[1]
+        if count > 0:
+            last = count - 1
+            current, current_live = _page_tile(last, count, first, seq, head, table_ptr, pool_pages, max_pages)
+            scores = _mask_chunk(ahead_scores, (first + last) * PAGE, tokens, current_live, packed_end, SINK, PAGE)
+            weights, sums, acc, run_max = _chunk_weights(scores, sums, acc, run_max, TO_SCORES, PAGE, MMA, LAZY)
+            p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+            acc = _add_values(acc, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, last % STAGES, 0, PAGE, PAGE,
+                              W, D, NG, A_OP, B_OP, VT, VS, FORMAT)
+    else:
+        for step in range(count):
+            ahead = (step + STAGES - 1) % STAGES
+            tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
+            _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, ahead, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
+                         vm_ptr, PAGE, W, D, NG, FORMAT)
             if STREAMS == 2:
-                acc = _add_values(acc, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK, W, D, NG,
-                                  A_OP, B_OP, VT, VS, FORMAT)
+                _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, ahead, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
+                             vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
             if SPARSE >= 1:
-                acc = _add_sparse_values(acc, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
-                                         B_OP, VT3)
+                _copy_sparse(kw3_s, vw3_s, ahead, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
             if SPARSE >= 2:
-                acc = _add_sparse_values(acc, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
-                                         B_OP, VT4)
+                _copy_sparse(kw4_s, vw4_s, ahead, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
+            async_copy.commit_group()
+            current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
+            if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
+                meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, B_OP)
+            if SPARSE >= 2:
+                meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, B_OP)
+            if FORMAT == NVFP4:  # the tile scales come from global memory: load them before waiting
+                terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D,
+                                    W, A_OP, B8, KM, FORMAT, PRECISE)
+                if STREAMS == 2:
+                    terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, step % STAGES, zeros_b8,
+                                         zeros_c8, D, W, A_OP, B8, KM, FORMAT, PRECISE)
+            async_copy.wait_group(STAGES - 1)  # this page's copies have landed in shared memory
+            stage = step % STAGES
+            if FORMAT == ROTATED:
+                terms = (0.0, 0.0)
+                terms2 = (0.0, 0.0)
+            if FORMAT == INT4:  # the key metadata is in shared memory: read it after waiting
+                terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, stage, zeros_b8, zeros_c8, D, W,
+                                    A_OP, B8, KM, FORMAT, PRECISE)
+                if STREAMS == 2:  # its scaled query is made where its product needs it (fewer live registers)
+                    offset2 = _key_offset(query, km2_s, stage, zeros_b8, zeros_c8, D, W, B8, KM)
+            if FORMAT == INT4:  # the streams' q . min start the score accumulator
+                offset = terms[1]
+                if STREAMS == 2:
+                    offset = offset + offset2
+                offset = offset * KEY_UNIT  # the key codes' products are in units of KEY_UNIT
+                start = gl.convert_layout(_tile_columns(offset, CHUNK), MMA, assert_trivial=True)
+            else:
+                start = zero_scores
+            for c in gl.static_range(PAGE // CHUNK):
+                both = _add_key_scores(start, query, terms, kw_s, ks_s, stage, c, zero_scores, PAGE, CHUNK, W, D, B_OP,
+                                       KW, FORMAT)
+                if STREAMS == 2:
+                    if FORMAT == INT4:
+                        terms2 = (_scaled_query(query, ks2_s, stage, D, W, A_OP, KM, PRECISE), offset2)
+                    both = _add_key_scores(both, query, terms2, kw2_s, ks2_s, stage, c, zero_scores, PAGE, CHUNK, W, D,
+                                           B_OP, KW, FORMAT)
+                if SPARSE >= 1:
+                    both = _add_sparse_scores(both, query, kw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
+                                              B_OP, KW3)
+                if SPARSE >= 2:
+                    both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
+                                              B_OP, KW4)
+                scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
+                scores = _mask_chunk(scores, (first + step) * PAGE + c * CHUNK, tokens, current_live, packed_end, SINK,
+                                     CHUNK)
+                weights, sums, acc, run_max = _chunk_weights(scores, sums, acc, run_max, TO_SCORES, CHUNK, MMA, LAZY)
+                p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+                acc = _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP,
+                                  B_OP, VT, VS, FORMAT)
+                if STREAMS == 2:
+                    acc = _add_values(acc, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK, W, D, NG,
+                                      A_OP, B_OP, VT, VS, FORMAT)
+                if SPARSE >= 1:
+                    acc = _add_sparse_values(acc, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
+                                             B_OP, VT3)
+                if SPARSE >= 2:
+                    acc = _add_sparse_values(acc, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
+                                             B_OP, VT4)
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
 
