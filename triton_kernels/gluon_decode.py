@@ -1445,7 +1445,7 @@ def int4_pages_kernel_v2(
         # Page 0's scores; then each step copies a page ahead, masks the scores of page ``step``,
         # waits for page ``step + 1`` and makes its scores, and finishes page ``step`` (softmax,
         # values). The last page is finished after the loop.
-        following, following_live = _page_tile(0, count, first, seq, head, table_ptr, pool_pages, max_pages)
+        following, _following_live = _page_tile(0, count, first, seq, head, table_ptr, pool_pages, max_pages)
         if FORMAT == NVFP4:
             terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, 0, zeros_b8, zeros_c8, D, W, A_OP, B8,
                                 KM, FORMAT, PRECISE)
@@ -1468,7 +1468,7 @@ def int4_pages_kernel_v2(
             async_copy.commit_group()
             current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
             scores = _mask_chunk(ahead_scores, (first + step) * PAGE, tokens, current_live, packed_end, SINK, PAGE)
-            following, following_live = _page_tile(step + 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
+            following, _following_live = _page_tile(step + 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
             stage = step % STAGES
             next_stage = (step + 1) % STAGES
             if FORMAT == NVFP4:
