@@ -91,3 +91,15 @@ def test_in_kernel_merge_keeps_the_warps_per_sm_at_head_dim_64(group):
     alone_registers = compile_check.ptxas_resources(alone.asm["ptx"], "sm_90a")["registers"]
     assert alone_registers <= 168
     assert merged_registers <= 168
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_overlapped_page_loop_keeps_eight_warps_per_sm(head_dim):
+    """Page ``p + 1``'s scores held across page ``p``'s softmax: still no spills, registers and the three
+    stages' shared memory for 8 one-warp blocks per SM (64 K registers, 227 KB)."""
+    compiled = compile_check.compile_pages_kernel("pipelined", head_dim=head_dim, stages=3, overlap=True)
+    resources = compile_check.ptxas_resources(compiled.asm["ptx"], "sm_90a")
+    assert resources["spill_stores"] == 0
+    assert 8 * 32 * resources["registers"] <= 65536
+    assert 8 * compiled.metadata.shared <= 227 * 1024
+    assert _count(compiled.asm["ptx"], r"st\.shared") == 0
