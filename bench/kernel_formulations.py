@@ -113,9 +113,10 @@ def formulation(name, loop=0, pages_only=False):
     return run
 
 
-def device_ms(function, queries, argument_sets, repeats=48):
+def device_ms(function, queries, argument_sets, repeats=48, timeline=None):
     """ms per call with Python dispatch out of the way: ``repeats`` calls (distinct queries, rotated
-    argument sets) inside one jitted function, median over 5 runs."""
+    argument sets) inside one jitted function, median over 5 runs. With ``timeline`` (a directory), one
+    more run under ``jax.profiler`` and the GPU's kernels per call (``gpu_timeline``) printed."""
     stack = jnp.stack([queries * (1 + 1e-3 * r) for r in range(repeats)])
 
     @jax.jit
@@ -133,7 +134,46 @@ def device_ms(function, queries, argument_sets, repeats=48):
         start = time.perf_counter()
         jax.block_until_ready(many(stack, sets))
         samples.append(1e3 * (time.perf_counter() - start) / repeats)
+    if timeline is not None:
+        print(f"    timeline: {gpu_timeline(lambda: many(stack, sets), timeline, repeats)}", flush=True)
     return statistics.median(samples)
+
+
+def gpu_timeline(call, directory, repeats):
+    """One run of ``call`` under ``jax.profiler``: per call (of ``repeats``), the GPU's span from the
+    first kernel's start to the last one's end, the time some kernel ran, and each kernel's mean us."""
+    import pathlib
+    import tempfile
+
+    pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
+    directory = pathlib.Path(tempfile.mkdtemp(dir=directory))
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level, options.host_tracer_level = 0, 0
+    jax.profiler.start_trace(str(directory), profiler_options=options)
+    try:
+        jax.block_until_ready(call())
+    finally:
+        jax.profiler.stop_trace()
+    traces = sorted(directory.rglob("*.xplane.pb"))
+    if not traces:
+        return "no trace written"
+    kernels = sorted((event.start_ns / 1e3, (event.start_ns + event.duration_ns) / 1e3, event.name)
+                     for plane in jax.profiler.ProfileData.from_file(str(traces[-1])).planes
+                     if plane.name.startswith("/device:GPU")
+                     for line in plane.lines if line.name.startswith("Stream")
+                     for event in line.events)
+    if not kernels:
+        return "no GPU events"
+    busy, reach, per_name = 0.0, kernels[0][0], {}
+    for start, end, name in kernels:
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+        per_name[name] = per_name.get(name, 0.0) + end - start
+    span = max(end for _, end, _ in kernels) - kernels[0][0]
+    top = sorted(per_name.items(), key=lambda item: -item[1])[:6]
+    parts = ", ".join(f"{name[:40]} {total / repeats:.1f}" for name, total in top)
+    return (f"{span / repeats:.1f} us span, {busy / repeats:.1f} us busy, {len(kernels) / repeats:.1f} "
+            f"kernels per call; us per call: {parts}")
 
 
 def relative_error(actual, expected):
@@ -177,6 +217,9 @@ def main() -> int:
                         help="calls per jitted function with --device-time (the function's own launch and "
                              "synchronization, 0.4-0.5 ms on the H200, are shared by them: 48 calls leave "
                              "about 10 us of it in each, 12 calls 35-40 us)")
+    parser.add_argument("--timeline", default=None,
+                        help="with --device-time: a directory for one profiled run per row, and the GPU's "
+                             "kernels per call printed under the row")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print("needs a CUDA GPU", file=sys.stderr)
@@ -212,7 +255,7 @@ def main() -> int:
                 for i in range(bench.copies_for(bf16_bytes))]
         if args.device_time:
             cudnn_ms = device_ms(lambda q, k, v: bench.cudnn_attention(q, k, v), sets[0][0], [s[1:] for s in sets],
-                                 args.repeats)
+                                 args.repeats, args.timeline)
         else:
             cudnn_ms = bench.median_ms(bench.cudnn_attention, sets)
         del sets
@@ -231,7 +274,7 @@ def main() -> int:
                 try:
                     run = formulation(fname, loop=loop, pages_only=pages_only)
                     if args.device_time:
-                        ms = device_ms(run, queries, [(c,) for c in caches], args.repeats)
+                        ms = device_ms(run, queries, [(c,) for c in caches], args.repeats, args.timeline)
                     else:
                         ms = bench.median_ms(run, [(queries, c) for c in caches])
                     error = "" if pages_only or fname.endswith("-k") else (

@@ -51,7 +51,7 @@ for stage in "$@"; do
              ${TESTS_K:+-k "$TESTS_K"} tests/test_gluon_decode.py tests/test_chunks.py ;;
     formulations) run_stage formulations 200 python3 bench/kernel_formulations.py ;;
     gluonbench) run_stage gluonbench "${BENCH_LIMIT:-280}" python3 bench/kernel_formulations.py --device-time \
-             --repeats "${BENCH_REPEATS:-48}" \
+             --repeats "${BENCH_REPEATS:-48}" ${BENCH_TIMELINE:+--timeline "$BENCH_TIMELINE"} \
              --shapes "${BENCH_SHAPES:-0,1,2,3,4,5}" \
              --names "${BENCH_NAMES:-pallas,public,gluon2-s2w-mx,gluon2-s2w-mg,gluon2-s2w-mx-n1,gluon2-s2w-x}" ;;
     gluonformats) for spec in ${FORMATS_SPECS:-nvfp4:1 int4_rotated:1 int4:2 int4:4}; do
