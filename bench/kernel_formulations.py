@@ -22,6 +22,7 @@ calls, caches rotated beyond the L2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -113,10 +114,15 @@ def formulation(name, loop=0, pages_only=False):
     return run
 
 
-def device_ms(function, queries, argument_sets, repeats=48, timeline=None):
+def device_ms(function, queries, argument_sets, repeats=48):
     """ms per call with Python dispatch out of the way: ``repeats`` calls (distinct queries, rotated
-    argument sets) inside one jitted function, median over 5 runs. With ``timeline`` (a directory), one
-    more run under ``jax.profiler`` and the GPU's kernels per call (``gpu_timeline``) printed."""
+    argument sets) inside one jitted function, median over 5 runs."""
+    return device_times(function, queries, argument_sets, repeats)[0]
+
+
+def device_times(function, queries, argument_sets, repeats=48, timeline=None):
+    """(ms per call as :func:`device_ms`, :class:`Timeline` or None): with ``timeline`` (a directory)
+    one more run of the same jitted function under ``jax.profiler`` gives the GPU's own time per call."""
     stack = jnp.stack([queries * (1 + 1e-3 * r) for r in range(repeats)])
 
     @jax.jit
@@ -134,14 +140,33 @@ def device_ms(function, queries, argument_sets, repeats=48, timeline=None):
         start = time.perf_counter()
         jax.block_until_ready(many(stack, sets))
         samples.append(1e3 * (time.perf_counter() - start) / repeats)
-    if timeline is not None:
-        print(f"    timeline: {gpu_timeline(lambda: many(stack, sets), timeline, repeats)}", flush=True)
-    return statistics.median(samples)
+    traced = None if timeline is None else gpu_timeline(lambda: many(stack, sets), timeline, repeats)
+    return statistics.median(samples), traced
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """The GPU's kernels per call, us: ``span`` from the first kernel's start to the last one's end
+    (divided by the calls), ``busy`` the time some kernel ran, ``kernels`` each kernel name's time."""
+
+    span: float
+    busy: float
+    count: float
+    kernels: tuple[tuple[str, float], ...]
+
+    @property
+    def largest(self) -> float:
+        return max((t for _, t in self.kernels), default=0.0)
+
+    def __str__(self):
+        parts = ", ".join(f"{name[:40]} {t:.1f}" for name, t in self.kernels[:6])
+        return (f"{self.span:.1f} us span, {self.busy:.1f} us busy, {self.count:.1f} kernels per call; "
+                f"us per call: {parts}")
 
 
 def gpu_timeline(call, directory, repeats):
-    """One run of ``call`` under ``jax.profiler``: per call (of ``repeats``), the GPU's span from the
-    first kernel's start to the last one's end, the time some kernel ran, and each kernel's mean us."""
+    """One run of ``call`` under ``jax.profiler``: the GPU's kernels per call (of ``repeats``) as a
+    :class:`Timeline`, or None where the trace holds no GPU kernels."""
     import pathlib
     import tempfile
 
@@ -155,25 +180,26 @@ def gpu_timeline(call, directory, repeats):
     finally:
         jax.profiler.stop_trace()
     traces = sorted(directory.rglob("*.xplane.pb"))
-    if not traces:
-        return "no trace written"
+    return timeline_of(traces[-1], repeats) if traces else None
+
+
+def timeline_of(trace, repeats):
+    """:class:`Timeline` of an ``.xplane.pb`` trace holding ``repeats`` calls; None without GPU kernels."""
     kernels = sorted((event.start_ns / 1e3, (event.start_ns + event.duration_ns) / 1e3, event.name)
-                     for plane in jax.profiler.ProfileData.from_file(str(traces[-1])).planes
+                     for plane in jax.profiler.ProfileData.from_file(str(trace)).planes
                      if plane.name.startswith("/device:GPU")
                      for line in plane.lines if line.name.startswith("Stream")
                      for event in line.events)
     if not kernels:
-        return "no GPU events"
+        return None
     busy, reach, per_name = 0.0, kernels[0][0], {}
     for start, end, name in kernels:
         busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
         per_name[name] = per_name.get(name, 0.0) + end - start
     span = max(end for _, end, _ in kernels) - kernels[0][0]
-    top = sorted(per_name.items(), key=lambda item: -item[1])[:6]
-    parts = ", ".join(f"{name[:40]} {total / repeats:.1f}" for name, total in top)
-    return (f"{span / repeats:.1f} us span, {busy / repeats:.1f} us busy, {len(kernels) / repeats:.1f} "
-            f"kernels per call; us per call: {parts}")
+    ranked = tuple(sorted(((name, total / repeats) for name, total in per_name.items()), key=lambda item: -item[1]))
+    return Timeline(span / repeats, busy / repeats, len(kernels) / repeats, ranked)
 
 
 def relative_error(actual, expected):
@@ -218,8 +244,10 @@ def main() -> int:
                              "synchronization, 0.4-0.5 ms on the H200, are shared by them: 48 calls leave "
                              "about 10 us of it in each, 12 calls 35-40 us)")
     parser.add_argument("--timeline", default=None,
-                        help="with --device-time: a directory for one profiled run per row, and the GPU's "
-                             "kernels per call printed under the row")
+                        help="with --device-time: a directory for one profiled run per row; the GPU's time per "
+                             "call (first kernel's start to last one's end, without the jitted function's own "
+                             "launch), its ratio to cuDNN's and the largest kernel's time as columns, each "
+                             "kernel's time under the row")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print("needs a CUDA GPU", file=sys.stderr)
@@ -246,21 +274,36 @@ def main() -> int:
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; plain copy {bandwidth:.2f} TB/s; "
           f"{args.value_format} loop {args.loops}{'; every sequence on the same pages' if args.shared else ''}"
           f"{f'; {args.repeats} calls per jitted function' if args.device_time else ''}", flush=True)
-    print("| shape | formulation | ms | TB/s on bytes read | % of copy | x cuDNN BF16 | max rel. error |")
-    print("|---|---|---|---|---|---|---|")
+    spans = args.device_time and args.timeline is not None
+    print("| shape | formulation | ms | TB/s on bytes read | % of copy | x cuDNN BF16 | max rel. error |"
+          + (" GPU us per call | % of copy (GPU) | x cuDNN (GPU) | largest kernel us |" if spans else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|---|---|" if spans else ""))
+
+    def gpu_columns(traced, read, reference=None):
+        if not spans:
+            return ""
+        if traced is None:
+            return " | | | |"
+        ratio = f"{reference.span / traced.span:.2f}x" if reference is not None else "1.00x"
+        return (f" {traced.span:.1f} | {100 * read / traced.span / 1e6 / bandwidth:.0f}% | {ratio} | "
+                f"{traced.largest:.1f} |")
+
     for index in (int(i) for i in args.shapes.split(",")):
         name, sequences, q_heads, kv_heads, tokens, head_dim = SHAPES[index]
         bf16_bytes = 2 * sequences * tokens * kv_heads * head_dim * 2
         sets = [bench.bf16_inputs(sequences, q_heads, kv_heads, tokens, i, head_dim)
                 for i in range(bench.copies_for(bf16_bytes))]
+        cudnn_trace = None
         if args.device_time:
-            cudnn_ms = device_ms(lambda q, k, v: bench.cudnn_attention(q, k, v), sets[0][0], [s[1:] for s in sets],
-                                 args.repeats, args.timeline)
+            cudnn_ms, cudnn_trace = device_times(lambda q, k, v: bench.cudnn_attention(q, k, v), sets[0][0],
+                                                 [s[1:] for s in sets], args.repeats, args.timeline)
         else:
             cudnn_ms = bench.median_ms(bench.cudnn_attention, sets)
         del sets
+        if cudnn_trace is not None:
+            print(f"    timeline: {cudnn_trace}", flush=True)
         print(f"| {name} | cuDNN BF16 | {cudnn_ms:.3f} | {bf16_bytes / cudnn_ms / 1e9:.2f} | "
-              f"{100 * bf16_bytes / cudnn_ms / 1e9 / bandwidth:.0f}% | 1.00x | |", flush=True)
+              f"{100 * bf16_bytes / cudnn_ms / 1e9 / bandwidth:.0f}% | 1.00x | |{gpu_columns(cudnn_trace, bf16_bytes)}", flush=True)
         loop = args.loops - 1
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim)
         bytes_read = bench.kernel_bytes(config, tokens, loop)
@@ -273,8 +316,9 @@ def main() -> int:
             for label, pages_only in variants:
                 try:
                     run = formulation(fname, loop=loop, pages_only=pages_only)
+                    traced = None
                     if args.device_time:
-                        ms = device_ms(run, queries, [(c,) for c in caches], args.repeats, args.timeline)
+                        ms, traced = device_times(run, queries, [(c,) for c in caches], args.repeats, args.timeline)
                     else:
                         ms = bench.median_ms(run, [(queries, c) for c in caches])
                     error = "" if pages_only or fname.endswith("-k") else (
@@ -283,11 +327,13 @@ def main() -> int:
                     print(f"| {name} | {label} | failed: {type(failure).__name__}: {str(failure)[:300]} |", flush=True)
                     continue
                 tb = bytes_read / ms / 1e9
+                if traced is not None:
+                    print(f"    timeline: {traced}", flush=True)
                 print(f"| {name} | {label} | {ms:.3f} | {tb:.2f} | {100 * tb / bandwidth:.0f}% | "
-                      f"{cudnn_ms / ms:.2f}x | {error} |", flush=True)
+                      f"{cudnn_ms / ms:.2f}x | {error} |{gpu_columns(traced, bytes_read, cudnn_trace)}", flush=True)
         floor = bytes_read / bandwidth / 1e9
         print(f"| {name} | byte floor ({bytes_read / 1e6:.0f} MB at the copy bandwidth) | {floor:.3f} | | | "
-              f"{cudnn_ms / floor:.2f}x | |", flush=True)
+              f"{cudnn_ms / floor:.2f}x | |" + (f" {1e3 * floor:.1f} | | | |" if spans else ""), flush=True)
         del caches
     return 0
 
