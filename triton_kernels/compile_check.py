@@ -43,7 +43,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
                          chunk: int | None = None, capability: int = 90, maxnreg: int | None = None,
                          streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = (),
                          merge: bool = False, precise: bool = True, group: int = 8, query: str = "*bf16",
-                         row_blocks: int = 1, lazy: bool = False, overlap: bool = False):
+                         row_blocks: int = 1, lazy: bool = False, overlap: bool = False, window: str = "*bf16"):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel.
 
     ``kernel``: ``"pipelined"`` or ``"simple"`` (Gluon, 1 warp) or
@@ -51,7 +51,9 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     ``decode_attention.page_partials`` launches it); ``merge``: the pipelined
     kernel merges the splits itself; ``group`` and ``query``: the pipelined
     kernel's query rows per KV head and their pointer type (it scales and
-    pads the caller's queries); ``row_blocks``: blocks of 8 of those rows.
+    pads the caller's queries); ``row_blocks``: blocks of 8 of those rows;
+    ``window``: the windows' pointer type (``"*fp32"`` where rotated
+    streams rotate them in float32).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -66,7 +68,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     stream = {"int4": ["*u32", "*fp16", "*fp16"], "nvfp4": ["*u32", "*u8", "*fp32"],
               "int4_rotated": ["*u32", "*fp32", "*fp32"]}[format] * 2
     sparse_stream = ["*u32", "*fp16", "*fp16", "*u32", "*fp16", "*fp16", "*i8"]
-    windows = stream + sparse_stream * 2 + ["*bf16"] * 4 if pipelined else []
+    windows = stream + sparse_stream * 2 + [window] * 4 if pipelined else []
     if not pipelined:
         stream = ["*u32", "*fp16", "*fp16"] * 2
     scalars = ["i32"] * (8 if pipelined else 5)
