@@ -103,3 +103,22 @@ def test_overlapped_page_loop_keeps_eight_warps_per_sm(head_dim):
     assert 8 * 32 * resources["registers"] <= 65536
     assert 8 * compiled.metadata.shared <= 227 * 1024
     assert _count(compiled.asm["ptx"], r"st\.shared") == 0
+
+
+def test_rotated_kernel_under_its_register_directive():
+    """int4_rotated reads a float32 query and float32 windows: under its ``.maxnreg`` directive ptxas gives it
+    more registers than without one (146 at head_dim 128), no spills, and at least 8 warps per SM; the
+    page loop's products are the same."""
+    from jflashloop_triton_kernels import launch
+
+    cap = launch.preferred_maxnreg("int4_rotated")
+    kwargs = dict(format="int4_rotated", query="*fp32", window="*fp32")
+    capped = compile_check.compile_pages_kernel("pipelined", maxnreg=cap, **kwargs)
+    plain = compile_check.compile_pages_kernel("pipelined", **kwargs)
+    capped_resources = compile_check.ptxas_resources(capped.asm["ptx"], "sm_90a")
+    plain_resources = compile_check.ptxas_resources(plain.asm["ptx"], "sm_90a")
+    assert capped_resources["spill_stores"] == 0
+    assert capped_resources["registers"] > plain_resources["registers"]
+    assert 8 * 32 * capped_resources["registers"] <= 65536
+    products = r"mma\.sync\.aligned\.m16n8k16"
+    assert _count(capped.asm["ptx"], products) == _count(plain.asm["ptx"], products)

@@ -169,3 +169,9 @@ def test_split_count(pairs, max_pages, expected):
 def test_split_count_rejects_empty_sizes():
     with pytest.raises(ValueError, match="positive sizes"):
         gluon_launch.split_count(0, 10)
+
+
+def test_preferred_maxnreg_caps_only_rotated_streams():
+    assert gluon_launch.preferred_maxnreg("int4_rotated") == gluon_launch.ROTATED_MAXNREG
+    assert gluon_launch.preferred_maxnreg("int4") is None
+    assert gluon_launch.preferred_maxnreg("nvfp4") is None

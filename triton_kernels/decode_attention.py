@@ -284,7 +284,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       ``min_pages_per_split`` pages per program (twice that where a wave
       stays full: :func:`jflashloop_triton_kernels.launch.split_count`).
     * ``chunk``: tokens per step inside a page (default: the page);
-      ``maxnreg``: a register cap per thread (ptxas).
+      ``maxnreg``: a register cap per thread (ptxas; None: the pipelined
+      kernel's :func:`jflashloop_triton_kernels.launch.preferred_maxnreg`).
     * ``pages_only`` skips the windows and ``partials_only`` returns the
       kernel's partials unmerged (benchmarks).
     * ``emulate`` runs the Gluon kernel's own body on the CPU with numpy
@@ -355,6 +356,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     if merge not in ("gluon", "xla", "kernel"):
         raise ValueError(f"merge must be 'gluon', 'xla' or 'kernel', got {merge!r}")
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
+    if maxnreg is None and pipelined and not emulate:
+        maxnreg = launch.preferred_maxnreg(loops[0].keys.format)
     if precise is None:
         precise = True
     if lazy is None:

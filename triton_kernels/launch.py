@@ -28,6 +28,7 @@ WAVE_PROGRAMS = 1024  # about one wave: fewer programs leave SMs idle
 MIN_PAGES_PER_SPLIT = 8
 PREFERRED_STAGES = 2  # one stream (bench/KERNEL_NOTES.md, H200)
 CHAIN_STAGES = 1  # two or more streams (loops 2-4): the shared memory of a second stage halves the blocks per SM
+ROTATED_MAXNREG = 255  # int4_rotated streams: ptxas allocates by need under a .maxnreg (preferred_maxnreg)
 
 
 def _padded_sparse_rows(rows: int) -> int:
@@ -88,6 +89,19 @@ def preferred_stages(*, streams: int = 1, sparse_rows: tuple[int, ...] = ()) -> 
     kernel's registers already cap it at 8 warps per SM, and a second stage's shared memory
     lowered that to 5: 0.505 against 0.366 ms at loop 4, B8 Hq32 Hkv8 T32K)."""
     return PREFERRED_STAGES if streams == 1 and not sparse_rows else CHAIN_STAGES
+
+
+def preferred_maxnreg(format: str) -> int | None:
+    """The register cap handed to ptxas for the pipelined kernel reading ``format`` streams, or None
+    (no ``.maxnreg`` directive).
+
+    int4_rotated: :data:`ROTATED_MAXNREG`. Without a directive ptxas gives that kernel (float32 query and
+    windows) 146 registers at head_dim 128, with one 182 and the same instructions per page; the page
+    kernel then ran 13% faster at B8 Hq32 Hkv8 T32K (80.9 against 93.3 us) and 7% at B1 Hq16 Hkv16 T64K
+    (39.8 against 42.9 us; H200, ``bench/RESULTS.md``). int4 and nvfp4 compile to the same loop at head_dim
+    128 either way: None.
+    """
+    return ROTATED_MAXNREG if format == "int4_rotated" else None
 
 
 def pipelined_stages(*, capability: int, head_dim: int, page_size: int, format: str = "int4",
