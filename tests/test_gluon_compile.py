@@ -122,3 +122,13 @@ def test_rotated_kernel_under_its_register_directive():
     assert 8 * 32 * capped_resources["registers"] <= 65536
     products = r"mma\.sync\.aligned\.m16n8k16"
     assert _count(capped.asm["ptx"], products) == _count(plain.asm["ptx"], products)
+
+
+def test_merge_with_more_registers_keeps_eight_warps_per_sm():
+    """At head_dim 128 the in-kernel merge can hold 128 registers of partials (8 slots of a group of 4
+    per round trip instead of 4): no spills, still 8 one-warp blocks per SM."""
+    compiled = compile_check.compile_pages_kernel("pipelined", group=4, merge=True, merge_registers=128)
+    resources = compile_check.ptxas_resources(compiled.asm["ptx"], "sm_90a")
+    assert resources["spill_stores"] == 0
+    assert 8 * 32 * resources["registers"] <= 65536
+

@@ -301,11 +301,13 @@ def test_gluon_kernel_reads_only_what_it_supports():
     assert "at most 8" in unsupported_reason(formats[:1], chain.head_dim, 64, 16)
 
 
-@pytest.mark.parametrize("group, merge, splits", [
-    (4, "kernel", 3), (3, "kernel", 3), (3, "gluon", 3), (1, "gluon", 3), (3, "xla", 3),
-    (1, "kernel", 20), (2, "kernel", 20),  # 21 partials: more than one round trip of the in-kernel merge
+@pytest.mark.parametrize("group, merge, splits, registers", [
+    (4, "kernel", 3, None), (3, "kernel", 3, None), (3, "gluon", 3, None), (1, "gluon", 3, None),
+    (3, "xla", 3, None),
+    (1, "kernel", 20, None), (2, "kernel", 20, None),  # 21 partials: more than one round trip of the merge
+    (4, "kernel", 20, 128),  # 8 slots per round trip instead of 4
 ])
-def test_gluon_kernel_merges_the_splits(rng, group, merge, splits):
+def test_gluon_kernel_merges_the_splits(rng, group, merge, splits, registers):
     config = one_loop_config(128, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
     cache, _ = build(rng, config, prompt_lengths=[400, 5, 129], steps=1)
     queries = jnp.asarray(rng.standard_normal((3, 2 * group, 128)), jnp.float32)
@@ -318,7 +320,8 @@ def test_gluon_kernel_merges_the_splits(rng, group, merge, splits):
         queries, inputs["block_tables"], inputs["bounds"], inputs["streams"], inputs["sink_keys"],
         inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"], state=inputs["state"],
         limits=inputs["limits"], loops=inputs["loops"], page_size=c.page_size, sink_tokens=c.sink_tokens,
-        window_loop=0, scale=1 / math.sqrt(c.head_dim), splits=splits, emulate=EMULATE, merge=merge)
+        window_loop=0, scale=1 / math.sqrt(c.head_dim), splits=splits, emulate=EMULATE, merge=merge,
+        merge_registers=registers)
     assert actual.shape == expected.shape
     assert (relative_errors(actual, expected) < TOLERANCE).all()
 

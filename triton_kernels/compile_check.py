@@ -43,7 +43,8 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
                          chunk: int | None = None, capability: int = 90, maxnreg: int | None = None,
                          streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = (),
                          merge: bool = False, precise: bool = True, group: int = 8, query: str = "*bf16",
-                         row_blocks: int = 1, lazy: bool = False, overlap: bool = False, window: str = "*bf16"):
+                         row_blocks: int = 1, lazy: bool = False, overlap: bool = False, window: str = "*bf16",
+                         merge_registers: int = 64):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel.
 
     ``kernel``: ``"pipelined"`` or ``"simple"`` (Gluon, 1 warp) or
@@ -81,7 +82,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     outputs = OUTPUTS + (MERGE_OUTPUTS if pipelined else [])
     if pipelined:
         constants.update(MERGE=merge, GROUP=group, PRECISE=precise, QSCALE=0.12753, PENDING=1, CAPACITY=1 << 20,
-                         RECENT=64, RB=row_blocks, LAZY=lazy, OVERLAP=overlap)
+                         RECENT=64, RB=row_blocks, LAZY=lazy, OVERLAP=overlap, MERGE_REGS=merge_registers)
     heads = [query, "*i32", "*i32", "*i1"] if pipelined else POINTERS  # query, table, (lengths, active | bounds)
     types = heads + stream + windows + scalars + outputs + ["constexpr"] * len(constants)
     signature = dict(zip(fn.arg_names, types, strict=True))

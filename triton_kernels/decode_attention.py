@@ -112,7 +112,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
                   emulate: bool = False, merge_group: int | None = None, precise: bool = True,
                   query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0),
-                  row_blocks: int = 1, lazy: bool = False, overlap: bool = False):
+                  row_blocks: int = 1, lazy: bool = False, overlap: bool = False, merge_registers: int = 64):
     """Run the Gluon page kernel.
 
     Args:
@@ -139,6 +139,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
       overlap: make each page's scores before the previous page's softmax
         (pipelined kernel; one dense stream, whole-page chunks, three stages
         or more to keep a page in flight).
+      merge_registers: registers a thread gives the in-kernel merge's partials
+        per round trip (64; 128 halves the round trips at head_dim 128).
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
       splits, 8], max [...])`` float32, natural channel order (program ``h *
@@ -209,7 +211,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         extra.update(MERGE=merge_group is not None, GROUP=group, PRECISE=precise,
                      QSCALE=1.0 if query_scale is None else float(query_scale),
                      PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]), RB=row_blocks,
-                     LAZY=lazy, OVERLAP=overlap)
+                     LAZY=lazy, OVERLAP=overlap, MERGE_REGS=merge_registers)
     elif query_scale is not None:
         raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
@@ -254,7 +256,7 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
                                              "splits", "pages_only", "kernel", "stages",
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
                                              "partials_only", "maxnreg", "emulate", "merge", "precise",
-                                             "limits", "lazy", "overlap"))
+                                             "limits", "lazy", "overlap", "merge_registers"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, state=None, limits: tuple[int, int, int] | None = None,
                            loops, page_size: int, sink_tokens: int, window_loop: int,
@@ -264,7 +266,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            min_pages_per_split: int = launch.MIN_PAGES_PER_SPLIT,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
                            merge: str | None = None, precise: bool | None = None, lazy: bool | None = None,
-                           overlap: bool | None = None):
+                           overlap: bool | None = None, merge_registers: int | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -301,6 +303,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     * ``overlap`` (pipelined kernel, one dense stream, whole-page chunks):
       make each page's scores before the previous page's softmax, so that
       their products overlap it. None: off.
+    * ``merge_registers`` (in-kernel merge): registers a thread gives the
+      partials per round trip; None: 64.
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -372,7 +376,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks, lazy=lazy,
-        overlap=overlap, **({} if limits is None else {"limits": limits}),
+        overlap=overlap, merge_registers=64 if merge_registers is None else merge_registers,
+        **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]
     if in_kernel:

@@ -1200,18 +1200,20 @@ def _merge_rows(group: int) -> int:
 
 
 @gluon.constexpr_function
-def _merge_slots(head_dim: int, group: int) -> int:
+def _merge_slots(head_dim: int, group: int, registers: int = 64) -> int:
     """Slots per round trip of the in-kernel merge (:func:`merge_layout`, one warp): ``512 / D`` (the
-    ``[SB, 8, D]`` float32 of a full group, 128 registers a thread), or as many as 64 registers hold
-    when the group has fewer rows (32 at most). More would raise the kernel's registers above its
-    page loop's (ptxas, head_dim 64)."""
+    ``[SB, 8, D]`` float32 of a full group, 128 registers a thread), or as many as ``registers`` hold
+    when the group has fewer rows or ``registers`` exceed 128 (32 slots at most). The default 64 keeps
+    the kernel's registers at its page loop's (ptxas, head_dim 64); at head_dim 128, 128 registers
+    raise them from 200 to 238 (still 8 warps per SM) and halve the round trips."""
     lanes_c = min(head_dim // 4, 32)
     rows_per_thread = max(1, _merge_rows(group) // (32 // lanes_c))
-    return min(32, max(512 // head_dim, 64 // (rows_per_thread * (head_dim // lanes_c))))
+    return min(32, max(512 // head_dim, registers // (rows_per_thread * (head_dim // lanes_c))))
 
 
 @gluon.jit
-def _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D: gl.constexpr, GROUP: gl.constexpr):
+def _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D: gl.constexpr, GROUP: gl.constexpr,
+                    REGISTERS: gl.constexpr = 64):
     """Stable log-sum-exp merge of the ``slots`` partials of ``program`` (a (sequence, KV head))
     into its ``GROUP`` rows of ``final [S, H * GROUP, D]`` (zeros where nothing was visible).
 
@@ -1220,7 +1222,7 @@ def _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D: gl.
     rows are held, so a group of one or two rows takes more slots per round trip (head_dim 128: 16
     and 8 against 4)."""
     RG: gl.constexpr = _merge_rows(GROUP)
-    SB: gl.constexpr = _merge_slots(D, GROUP)
+    SB: gl.constexpr = _merge_slots(D, GROUP, REGISTERS)
     L3: gl.constexpr = merge_layout(SB, D, 1)
     LS: gl.constexpr = gl.SliceLayout(2, L3)  # [SB, RG]
     LM: gl.constexpr = gl.BlockedLayout([1, RG], [32, 1], [1, 1], [1, 0])  # [32, RG]: a slot per lane
@@ -1316,6 +1318,7 @@ def int4_pages_kernel_v2(
     MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
     RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False, OVERLAP: gl.constexpr = False,
+    MERGE_REGS: gl.constexpr = 64,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1337,7 +1340,8 @@ def int4_pages_kernel_v2(
     8-15 of the m16 products (no extra product): about 10x less error on keys
     with outlier channels and large per-channel offsets. ``LAZY`` rescales the
     running softmax state only when a row's maximum grows by more than
-    ``RESCALE_LOG2``. ``OVERLAP`` (one dense stream, ``CHUNK == PAGE``,
+    ``RESCALE_LOG2``. ``MERGE_REGS``: registers a thread gives the merge's
+    partials per round trip (:func:`_merge_slots`). ``OVERLAP`` (one dense stream, ``CHUNK == PAGE``,
     ``STAGES`` >= 3 to keep a page in flight) makes page ``step + 1``'s
     scores before page ``step``'s softmax, so that their products overlap
     the softmax's dependent chain (one basic block per page).
@@ -1614,4 +1618,4 @@ def int4_pages_kernel_v2(
         # Release this program's partials, count it; the last of its (sequence, head) merges them.
         done = gl.atomic_add(counter_ptr + program, 1, sem="acq_rel", scope="gpu")
         if done == slots - 1:
-            _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D, GROUP)
+            _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D, GROUP, MERGE_REGS)
