@@ -4,6 +4,8 @@
 Usage:
   python bench/kernel_formulations.py              # time and check every formulation
   python bench/kernel_formulations.py --profile gluon --shape 0   # one call, for ncu
+  python bench/kernel_formulations.py --device-time --timeline /tmp/tl --names public
+      # 48 calls per jitted function, and the GPU's own time per call from a jax.profiler trace
 
 Formulations (INT4 loop 1, FlashLoop policy, 64-token pages):
 
