@@ -127,6 +127,21 @@ def test_overlap_refuses_chains():
         gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0, loop=1, version=7)
 
 
+def test_merge_registers_must_be_positive():
+    config = one_loop_config(64, 16, num_kv_heads=1, max_pages_per_sequence=4, num_pages=8)
+    cache, _ = build(np.random.default_rng(0), config, prompt_lengths=[40], steps=1)
+    from jflashloop_triton_kernels import decode_attention as gluon
+
+    inputs = kernel_inputs(cache, 0, 0, True)
+    with pytest.raises(ValueError, match="merge_registers must be positive"):
+        gluon.paged_decode_attention(
+            jnp.ones((1, 4, 64), jnp.float32), inputs["block_tables"], inputs["bounds"], inputs["streams"],
+            inputs["sink_keys"], inputs["sink_values"], inputs["ring_keys"], inputs["ring_values"],
+            state=inputs["state"], limits=inputs["limits"], loops=inputs["loops"], page_size=16,
+            sink_tokens=config.sink_tokens, window_loop=0, scale=0.125, emulate=EMULATE, merge="kernel",
+            merge_registers=0)
+
+
 def relative_errors(actual, expected):
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return np.linalg.norm(actual - expected, axis=(-2, -1)) / np.linalg.norm(expected, axis=(-2, -1))

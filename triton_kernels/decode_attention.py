@@ -176,6 +176,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
             return [stream["payload"], stream["scale"], stream["scale"]]
         return [stream["payload"], stream["scale"], stream["minimum"]]
 
+    if merge_registers < 1:
+        raise ValueError(f"merge_registers must be positive, got {merge_registers}")
     if overlap and (stages is None or stages < 2 or residual is not None or sparse or (chunk or page_size) != page_size):
         raise ValueError("overlap needs the pipelined kernel with 2 or more stages, one dense stream and "
                          "whole-page chunks")
