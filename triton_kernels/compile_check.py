@@ -44,7 +44,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
                          streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = (),
                          merge: bool = False, precise: bool = True, group: int = 8, query: str = "*bf16",
                          row_blocks: int = 1, lazy: bool = False, overlap: bool = False, window: str = "*bf16",
-                         merge_registers: int = 64):
+                         merge_registers: int | None = None):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel.
 
     ``kernel``: ``"pipelined"`` or ``"simple"`` (Gluon, 1 warp) or
@@ -54,14 +54,15 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     kernel's query rows per KV head and their pointer type (it scales and
     pads the caller's queries); ``row_blocks``: blocks of 8 of those rows;
     ``window``: the windows' pointer type (``"*fp32"`` where rotated
-    streams rotate them in float32).
+    streams rotate them in float32); ``merge_registers``: the in-kernel
+    merge's registers per round trip (None: ``launch.MERGE_REGISTERS``).
     """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from . import gluon_decode, triton_decode
+    from . import gluon_decode, launch, triton_decode
 
     pipelined = kernel == "pipelined"
     fn = {"pipelined": gluon_decode.int4_pages_kernel_v2, "simple": gluon_decode.int4_pages_kernel,
@@ -82,7 +83,8 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     outputs = OUTPUTS + (MERGE_OUTPUTS if pipelined else [])
     if pipelined:
         constants.update(MERGE=merge, GROUP=group, PRECISE=precise, QSCALE=0.12753, PENDING=1, CAPACITY=1 << 20,
-                         RECENT=64, RB=row_blocks, LAZY=lazy, OVERLAP=overlap, MERGE_REGS=merge_registers)
+                         RECENT=64, RB=row_blocks, LAZY=lazy, OVERLAP=overlap,
+                         MERGE_REGS=launch.MERGE_REGISTERS if merge_registers is None else merge_registers)
     heads = [query, "*i32", "*i32", "*i1"] if pipelined else POINTERS  # query, table, (lengths, active | bounds)
     types = heads + stream + windows + scalars + outputs + ["constexpr"] * len(constants)
     signature = dict(zip(fn.arg_names, types, strict=True))

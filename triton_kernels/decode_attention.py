@@ -112,7 +112,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   chunk: int | None = None, window_program: bool = True, maxnreg: int | None = None,
                   emulate: bool = False, merge_group: int | None = None, precise: bool = True,
                   query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0),
-                  row_blocks: int = 1, lazy: bool = False, overlap: bool = False, merge_registers: int = 64):
+                  row_blocks: int = 1, lazy: bool = False, overlap: bool = False,
+                  merge_registers: int = launch.MERGE_REGISTERS):
     """Run the Gluon page kernel.
 
     Args:
@@ -140,7 +141,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         (pipelined kernel; one dense stream, whole-page chunks, three stages
         or more to keep a page in flight).
       merge_registers: registers a thread gives the in-kernel merge's partials
-        per round trip (64; 128 halves the round trips at head_dim 128).
+        per round trip (``launch.MERGE_REGISTERS``; 128 halves the round trips
+        at head_dim 128).
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
       splits, 8], max [...])`` float32, natural channel order (program ``h *
@@ -306,7 +308,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       make each page's scores before the previous page's softmax, so that
       their products overlap it. None: off.
     * ``merge_registers`` (in-kernel merge): registers a thread gives the
-      partials per round trip; None: 64.
+      partials per round trip; None: ``launch.MERGE_REGISTERS``.
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -378,7 +380,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         sink_tokens=sink_tokens, value_group=loops[0].values.group_size, splits=splits, kernel=kernel,
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks, lazy=lazy,
-        overlap=overlap, merge_registers=64 if merge_registers is None else merge_registers,
+        overlap=overlap, merge_registers=launch.MERGE_REGISTERS if merge_registers is None else merge_registers,
         **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]

@@ -38,6 +38,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from .launch import MERGE_REGISTERS
+
 ROWS = 8  # query rows per (sequence, KV head): the GQA group padded to 8
 MASK_VALUE = gl.constexpr(-1e30)
 # The page kernel rescales its running softmax state only when a row's maximum grows by more than this
@@ -1200,10 +1202,10 @@ def _merge_rows(group: int) -> int:
 
 
 @gluon.constexpr_function
-def _merge_slots(head_dim: int, group: int, registers: int = 64) -> int:
+def _merge_slots(head_dim: int, group: int, registers: int = MERGE_REGISTERS) -> int:
     """Slots per round trip of the in-kernel merge (:func:`merge_layout`, one warp): ``512 / D`` (the
     ``[SB, 8, D]`` float32 of a full group, 128 registers a thread), or as many as ``registers`` hold
-    when the group has fewer rows or ``registers`` exceed 128 (32 slots at most). The default 64 keeps
+    when the group has fewer rows or ``registers`` exceed 128 (32 slots at most). The default (64) keeps
     the kernel's registers at its page loop's (ptxas, head_dim 64); at head_dim 128, 128 registers
     raise them from 200 to 238 (still 8 warps per SM) and halve the round trips."""
     lanes_c = min(head_dim // 4, 32)
@@ -1213,7 +1215,7 @@ def _merge_slots(head_dim: int, group: int, registers: int = 64) -> int:
 
 @gluon.jit
 def _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D: gl.constexpr, GROUP: gl.constexpr,
-                    REGISTERS: gl.constexpr = 64):
+                    REGISTERS: gl.constexpr = MERGE_REGISTERS):
     """Stable log-sum-exp merge of the ``slots`` partials of ``program`` (a (sequence, KV head))
     into its ``GROUP`` rows of ``final [S, H * GROUP, D]`` (zeros where nothing was visible).
 
@@ -1318,7 +1320,7 @@ def int4_pages_kernel_v2(
     MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
     RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False, OVERLAP: gl.constexpr = False,
-    MERGE_REGS: gl.constexpr = 64,
+    MERGE_REGS: gl.constexpr = MERGE_REGISTERS,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so

@@ -29,6 +29,7 @@ MIN_PAGES_PER_SPLIT = 8
 PREFERRED_STAGES = 2  # one stream (bench/KERNEL_NOTES.md, H200)
 CHAIN_STAGES = 1  # two or more streams (loops 2-4): the shared memory of a second stage halves the blocks per SM
 ROTATED_MAXNREG = 255  # int4_rotated streams: ptxas allocates by need under a .maxnreg (preferred_maxnreg)
+MERGE_REGISTERS = 64  # registers a thread gives the in-kernel merge's partials per round trip (gluon_decode)
 
 
 def _padded_sparse_rows(rows: int) -> int:
