@@ -364,7 +364,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     if merge not in ("gluon", "xla", "kernel"):
         raise ValueError(f"merge must be 'gluon', 'xla' or 'kernel', got {merge!r}")
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
-    if maxnreg is None and pipelined and not emulate:
+    if maxnreg is None and pipelined:
         maxnreg = launch.preferred_maxnreg(loops[0].keys.format)
     if precise is None:
         precise = True

@@ -1202,12 +1202,13 @@ def _merge_rows(group: int) -> int:
 
 
 @gluon.constexpr_function
-def _merge_slots(head_dim: int, group: int, registers: int = MERGE_REGISTERS) -> int:
+def _merge_slots(head_dim: int, group: int, registers: int) -> int:
     """Slots per round trip of the in-kernel merge (:func:`merge_layout`, one warp): ``512 / D`` (the
     ``[SB, 8, D]`` float32 of a full group, 128 registers a thread), or as many as ``registers`` hold
-    when the group has fewer rows or ``registers`` exceed 128 (32 slots at most). The default (64) keeps
-    the kernel's registers at its page loop's (ptxas, head_dim 64); at head_dim 128, 128 registers
-    raise them from 200 to 238 (still 8 warps per SM) and halve the round trips."""
+    when the group has fewer rows or ``registers`` exceed 128 (32 slots at most). 64 (the kernel's
+    default, ``launch.MERGE_REGISTERS``) keeps the kernel's registers at its page loop's (ptxas,
+    head_dim 64); at head_dim 128, 128 registers raise them from 200 to 238 (still 8 warps per SM)
+    and halve the round trips."""
     lanes_c = min(head_dim // 4, 32)
     rows_per_thread = max(1, _merge_rows(group) // (32 // lanes_c))
     return min(32, max(512 // head_dim, registers // (rows_per_thread * (head_dim // lanes_c))))
@@ -1215,7 +1216,7 @@ def _merge_slots(head_dim: int, group: int, registers: int = MERGE_REGISTERS) ->
 
 @gluon.jit
 def _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D: gl.constexpr, GROUP: gl.constexpr,
-                    REGISTERS: gl.constexpr = MERGE_REGISTERS):
+                    REGISTERS: gl.constexpr):
     """Stable log-sum-exp merge of the ``slots`` partials of ``program`` (a (sequence, KV head))
     into its ``GROUP`` rows of ``final [S, H * GROUP, D]`` (zeros where nothing was visible).
 
