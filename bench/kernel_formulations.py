@@ -124,8 +124,16 @@ def device_ms(function, queries, argument_sets, repeats=48):
     return device_times(function, queries, argument_sets, repeats)[0]
 
 
+QUEUED = 8  # executions of the jitted function queued back to back for ``device_times``' second figure
+
+
 def device_times(function, queries, argument_sets, repeats=48, timeline=None):
-    """(ms per call as :func:`device_ms`, :class:`Timeline` or None): with ``timeline`` (a directory)
+    """(ms per call as :func:`device_ms`, ms per call queued, :class:`Timeline` or None).
+
+    The first figure holds each execution's own launch and synchronization (0.4-0.7 ms on the H200,
+    spread over the ``repeats`` calls). The second is what a call adds when executions are queued
+    without waiting (as a serving loop dispatches its steps): ``(t(QUEUED) - t(1)) / (QUEUED - 1)``
+    per execution, medians over 5 runs each, divided by ``repeats``. With ``timeline`` (a directory)
     one more run of the same jitted function under ``jax.profiler`` gives the GPU's own time per call."""
     stack = jnp.stack([queries * (1 + 1e-3 * r) for r in range(repeats)])
 
@@ -139,13 +147,16 @@ def device_times(function, queries, argument_sets, repeats=48, timeline=None):
 
     sets = tuple(tuple(s) for s in argument_sets)
     jax.block_until_ready(many(stack, sets))
-    samples = []
-    for _ in range(5):
+
+    def seconds(executions):
         start = time.perf_counter()
-        jax.block_until_ready(many(stack, sets))
-        samples.append(1e3 * (time.perf_counter() - start) / repeats)
+        jax.block_until_ready([many(stack, sets) for _ in range(executions)])
+        return time.perf_counter() - start
+
+    single = statistics.median(seconds(1) for _ in range(5))
+    queued = statistics.median(seconds(QUEUED) for _ in range(5))
     traced = None if timeline is None else gpu_timeline(lambda: many(stack, sets), timeline, repeats)
-    return statistics.median(samples), traced
+    return 1e3 * single / repeats, 1e3 * max(queued - single, 0.0) / (QUEUED - 1) / repeats, traced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,9 +290,17 @@ def main() -> int:
           f"{args.value_format} loop {args.loops}{'; every sequence on the same pages' if args.shared else ''}"
           f"{f'; {args.repeats} calls per jitted function' if args.device_time else ''}", flush=True)
     spans = args.device_time and args.timeline is not None
+    queues = args.device_time
     print("| shape | formulation | ms | TB/s on bytes read | % of copy | x cuDNN BF16 | max rel. error |"
+          + (f" ms queued ({QUEUED}) | % of copy (queued) | x cuDNN (queued) |" if queues else "")
           + (" GPU us per call | % of copy (GPU) | x cuDNN (GPU) | largest kernel us |" if spans else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|---|---|---|" if spans else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if queues else "") + ("---|---|---|---|" if spans else ""))
+
+    def queued_columns(queued, read, reference):
+        if not queues:
+            return ""
+        return (f" {queued:.3f} | {100 * read / queued / 1e9 / bandwidth:.0f}% | "
+                f"{reference / queued:.2f}x |") if queued > 0 else " | | |"
 
     def gpu_columns(traced, read, reference=None):
         if not spans:
@@ -299,15 +318,17 @@ def main() -> int:
                 for i in range(bench.copies_for(bf16_bytes))]
         cudnn_trace = None
         if args.device_time:
-            cudnn_ms, cudnn_trace = device_times(lambda q, k, v: bench.cudnn_attention(q, k, v), sets[0][0],
+            cudnn_ms, cudnn_queued, cudnn_trace = device_times(lambda q, k, v: bench.cudnn_attention(q, k, v), sets[0][0],
                                                  [s[1:] for s in sets], args.repeats, args.timeline)
         else:
-            cudnn_ms = bench.median_ms(bench.cudnn_attention, sets)
+            cudnn_ms, cudnn_queued = bench.median_ms(bench.cudnn_attention, sets), 0.0
         del sets
         if cudnn_trace is not None:
             print(f"    timeline: {cudnn_trace}", flush=True)
         print(f"| {name} | cuDNN BF16 | {cudnn_ms:.3f} | {bf16_bytes / cudnn_ms / 1e9:.2f} | "
-              f"{100 * bf16_bytes / cudnn_ms / 1e9 / bandwidth:.0f}% | 1.00x | |{gpu_columns(cudnn_trace, bf16_bytes)}", flush=True)
+              f"{100 * bf16_bytes / cudnn_ms / 1e9 / bandwidth:.0f}% | 1.00x | |"
+              f"{queued_columns(cudnn_queued, bf16_bytes, cudnn_queued)}{gpu_columns(cudnn_trace, bf16_bytes)}",
+              flush=True)
         loop = args.loops - 1
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim)
         bytes_read = bench.kernel_bytes(config, tokens, loop)
@@ -322,9 +343,9 @@ def main() -> int:
                     run = formulation(fname, loop=loop, pages_only=pages_only)
                     traced = None
                     if args.device_time:
-                        ms, traced = device_times(run, queries, [(c,) for c in caches], args.repeats, args.timeline)
+                        ms, queued, traced = device_times(run, queries, [(c,) for c in caches], args.repeats, args.timeline)
                     else:
-                        ms = bench.median_ms(run, [(queries, c) for c in caches])
+                        ms, queued = bench.median_ms(run, [(queries, c) for c in caches]), 0.0
                     error = "" if pages_only or fname.endswith("-k") else (
                         f"{relative_error(run(queries, caches[0]), expected):.2e}")
                 except Exception as failure:  # report and go on: one broken variant must not hide the rest
@@ -334,10 +355,12 @@ def main() -> int:
                 if traced is not None:
                     print(f"    timeline: {traced}", flush=True)
                 print(f"| {name} | {label} | {ms:.3f} | {tb:.2f} | {100 * tb / bandwidth:.0f}% | "
-                      f"{cudnn_ms / ms:.2f}x | {error} |{gpu_columns(traced, bytes_read, cudnn_trace)}", flush=True)
+                      f"{cudnn_ms / ms:.2f}x | {error} |{queued_columns(queued, bytes_read, cudnn_queued)}"
+                      f"{gpu_columns(traced, bytes_read, cudnn_trace)}", flush=True)
         floor = bytes_read / bandwidth / 1e9
         print(f"| {name} | byte floor ({bytes_read / 1e6:.0f} MB at the copy bandwidth) | {floor:.3f} | | | "
-              f"{cudnn_ms / floor:.2f}x | |" + (f" {1e3 * floor:.1f} | | | |" if spans else ""), flush=True)
+              f"{cudnn_ms / floor:.2f}x | |" + (f" {floor:.3f} | | {cudnn_queued / floor:.2f}x |" if queues else "")
+              + (f" {1e3 * floor:.1f} | | | |" if spans else ""), flush=True)
         del caches
     return 0
 
