@@ -10,7 +10,10 @@ the relative reconstruction error of loop 2 for three encodings at equal bytes:
 * ``direct``: ``Q(K2)`` (loop 2 stored as a base of its own);
 * ``scaled``: ``a * rec K1 + Q(K2 - a * rec K1)``, ``a`` one float per (KV head,
   channel) and layer, fitted by least squares on calibration windows (other
-  held-out text than the measured windows; no bytes per token).
+  held-out text than the measured windows; no bytes per token);
+* ``linear``: ``P + Q(K2 - P)`` with ``P = [rec K1, 1] @ M``, ``M`` a
+  ``[head_dim + 1, head_dim]`` matrix per (layer, KV head) fitted the same way
+  (every channel of loop 1 predicts every channel of loop 2).
 
 ``Q`` is the library's codec (:func:`jflashloop.encode` / :func:`jflashloop.decode`):
 K per channel over 64 tokens, V per token over 64 channels, INT4 or INT3.
@@ -59,17 +62,32 @@ def round_trip(x: np.ndarray, spec) -> np.ndarray:
     return np.asarray(jflashloop.decode(jflashloop.encode(jnp.asarray(x), spec)))
 
 
+def fit_linear(x1: np.ndarray, x2: np.ndarray) -> np.ndarray:
+    """Least-squares ``M [H, C + 1, C]`` with ``x2[:, h] ~ [x1[:, h], 1] @ M[h]`` (``x1, x2 [T, H, C]``)."""
+    ones = np.ones((x1.shape[0], 1), x1.dtype)
+    return np.stack([np.linalg.lstsq(np.concatenate([x1[:, h], ones], 1), x2[:, h], rcond=None)[0]
+                     for h in range(x1.shape[1])])
+
+
+def predict_linear(matrix: np.ndarray, x1: np.ndarray) -> np.ndarray:
+    """``[x1[:, h], 1] @ matrix[h]`` for every head: ``[T, H, C]``."""
+    ones = np.ones((x1.shape[0], 1), x1.dtype)
+    return np.stack([np.concatenate([x1[:, h], ones], 1) @ matrix[h] for h in range(x1.shape[1])], axis=1)
+
+
 def loop2_errors(calibration: np.ndarray, measured: np.ndarray, stream: str, codec: str) -> dict[str, float]:
-    """Errors of loop 2 of one layer's stream (``[loops, T, H, C]`` arrays) for the three encodings."""
+    """Errors of loop 2 of one layer's stream (``[loops, T, H, C]`` arrays) for the four encodings."""
     spec, base_spec = SPECS[(stream, codec)], SPECS[(stream, "int4")]
     c1 = round_trip(calibration[0], base_spec)
     scale = (calibration[1] * c1).sum(axis=0) / (c1 * c1).sum(axis=0)  # [H, C], least squares
     x1 = round_trip(measured[0], base_spec)
     x2 = measured[1]
+    predicted = predict_linear(fit_linear(c1, calibration[1]), x1)
     return {
         "residual": relative_error(x1 + round_trip(x2 - x1, spec), x2),
         "direct": relative_error(round_trip(x2, spec), x2),
         "scaled": relative_error(scale * x1 + round_trip(x2 - scale * x1, spec), x2),
+        "linear": relative_error(predicted + round_trip(x2 - predicted, spec), x2),
         "scale_mean": scale.mean(),
     }
 
@@ -87,14 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     measured = looped_kv(checkpoint.params, checkpoint.config, corpus.held_out, args.windows, args.tokens, args.seed)
     calibration = looped_kv(checkpoint.params, checkpoint.config, corpus.held_out, args.windows, args.tokens,
                             args.calibration_seed)
-    print("| layer | stream | codec | residual | direct | scaled (mean a) | scaled vs residual |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layer | stream | codec | residual | direct | scaled (mean a) | scaled vs residual | linear | "
+          "linear vs residual |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for codec in ("int4", "int3"):
         for layer in range(checkpoint.config.layers):
             for index, stream in enumerate(("keys", "values")):
                 e = loop2_errors(calibration[index][:, layer], measured[index][:, layer], stream, codec)
                 print(f"| {layer + 1} | {stream} | {codec} | {e['residual']:.4f} | {e['direct']:.4f} | "
-                      f"{e['scaled']:.4f} ({e['scale_mean']:.2f}) | {e['residual'] / e['scaled']:.2f}x |")
+                      f"{e['scaled']:.4f} ({e['scale_mean']:.2f}) | {e['residual'] / e['scaled']:.2f}x | "
+                      f"{e['linear']:.4f} | {e['residual'] / e['linear']:.2f}x |")
     print(f"\n{args.windows} windows of {args.tokens} bytes (seed {args.seed}), calibrated on seed "
           f"{args.calibration_seed}; {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
