@@ -675,17 +675,30 @@ def _tile_columns(x, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages):
-    """(tile index of page ``first + step`` of this program's head, whether it is read).
+def _table_entry(step, first, seq, table_ptr, max_pages):
+    """Block-table entry of page ``first + step`` of sequence ``seq`` (-1 past the table). Its load
+    needs no sequence length, so the first one is issued beside the length's."""
+    return gl.load(table_ptr + seq * max_pages + first + step, mask=first + step < max_pages, other=-1)
+
+
+@gluon.jit
+def _entry_tile(entry, step, count, head, pool_pages):
+    """(tile index of the page ``entry`` names in this program's head, whether it is read).
 
     A page is read when ``step < count`` and its block-table entry holds a
     page: a lost page (-1) is skipped, and since the cache stores no page
     after a lost one, that ends the sequence's pages where the reference's
     regions end them.
     """
-    live = step < count
-    entry = gl.load(table_ptr + seq * max_pages + first + step, mask=live, other=-1)
-    return head.to(gl.int64) * pool_pages + gl.maximum(entry, 0), live & (entry >= 0)
+    return head.to(gl.int64) * pool_pages + gl.maximum(entry, 0), (step < count) & (entry >= 0)
+
+
+@gluon.jit
+def _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages):
+    """(tile index of page ``first + step`` of this program's head, whether it is read): :func:`_entry_tile`
+    of its block-table entry (loaded only for ``step < count``)."""
+    entry = gl.load(table_ptr + seq * max_pages + first + step, mask=step < count, other=-1)
+    return _entry_tile(entry, step, count, head, pool_pages)
 
 
 @gluon.jit
@@ -1397,27 +1410,12 @@ def int4_pages_kernel_v2(
                                                          [RP4, NG, W // NG]).type.layout)
         VS4: gl.constexpr = _value_meta_layout(RP4, NG, D, GV)
 
-    # The sequence's regions (``jflashloop.cache._regions``): ``visible`` tokens, pages up to
-    # ``packed_end`` (a lost page, -1, ends them earlier: ``_page_tile`` and the window program).
-    length = gl.load(lengths_ptr + seq)
-    visible = gl.where(gl.load(active_ptr + seq).to(gl.int32) != 0, gl.minimum(length + PENDING, CAPACITY), 0)
-    packed_end = gl.maximum(gl.minimum(visible - RECENT, (length // PAGE) * PAGE), 0)
-    packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
+    # The first page's block-table entry and the query are loaded beside the sequence's length, not
+    # after it: the first page's copy then waits for one round trip, not two.
     first = split * pages_per_split
-    count = gl.minimum(gl.maximum(packed_pages - first, 0), pages_per_split)
-    for s in gl.static_range(STAGES - 1):
-        tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
-        _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, s, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
-                     vm_ptr, PAGE, W, D, NG, FORMAT)
-        if STREAMS == 2:
-            _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, s, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
-                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
-        if SPARSE >= 1:
-            _copy_sparse(kw3_s, vw3_s, s, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
-        if SPARSE >= 2:
-            _copy_sparse(kw4_s, vw4_s, s, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
-        async_copy.commit_group()
-
+    first_entry = _table_entry(0, first, seq, table_ptr, max_pages)
+    length = gl.load(lengths_ptr + seq)
+    active = gl.load(active_ptr + seq).to(gl.int32) != 0
     # The query, float16, logical key order, rows 8-15 zero: the A operand.
     q_rows = row_block * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
     q_cols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
@@ -1436,6 +1434,29 @@ def int4_pages_kernel_v2(
     operand = _stack_rows(hi8, lo8, D, A_OP)
     hi8, lo8 = _split_rows(operand, D)  # the halves in the operand's own row layout (page scales)
     query = (operand, hi8, lo8)
+
+    # The sequence's regions (``jflashloop.cache._regions``): ``visible`` tokens, pages up to
+    # ``packed_end`` (a lost page, -1, ends them earlier: ``_page_tile`` and the window program).
+    visible = gl.where(active, gl.minimum(length + PENDING, CAPACITY), 0)
+    packed_end = gl.maximum(gl.minimum(visible - RECENT, (length // PAGE) * PAGE), 0)
+    packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
+    count = gl.minimum(gl.maximum(packed_pages - first, 0), pages_per_split)
+    for s in gl.static_range(STAGES - 1):
+        if s == 0:
+            tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
+        else:
+            tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
+        _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, s, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
+                     vm_ptr, PAGE, W, D, NG, FORMAT)
+        if STREAMS == 2:
+            _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, s, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
+                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
+        if SPARSE >= 1:
+            _copy_sparse(kw3_s, vw3_s, s, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
+        if SPARSE >= 2:
+            _copy_sparse(kw4_s, vw4_s, s, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
+        async_copy.commit_group()
+
     B8: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     zeros_b8 = gl.zeros([D, 8], gl.float16, layout=B8)
     zeros_c8 = gl.zeros([16, 8], gl.float32, layout=MMA)
