@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, compiled tests, kernel sweep, benchmarks.
 # Usage (from the repository root, on the device machine):
-#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole overhead overheadffi chunks shared gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep sharded quick bench codecs train demo e2e
+#   bash tools/gpu_session.sh STAGE...     STAGE in: ncuwhole overhead overheadlegacy chunks shared gluontests formulations gluonbench gluonformats ncugluon tests kerneltests sweep chainsweep sharded quick bench codecs train demo e2e
 # Logs go to $OUT (or ./out); a short summary is printed last.
 set -u
 cd "$(dirname "$0")/.."
@@ -71,7 +71,7 @@ for stage in "$@"; do
     shared) run_stage shared 200 python3 bench/kernel_formulations.py --device-time --shapes 0,2 --names public \
              --shared ;;
     overhead) run_stage overhead 120 python3 bench/call_overhead.py ;;
-    overheadffi) run_stage overheadffi 120 env JFLASHLOOP_TRITON_TARGET=ffi python3 bench/call_overhead.py ;;
+    overheadlegacy) run_stage overheadlegacy 120 env JFLASHLOOP_TRITON_TARGET=legacy python3 bench/call_overhead.py ;;
     quick) run_stage quick 150 python3 bench/decode.py --quick --check ;;
     bench) run_stage bench 250 python3 bench/decode.py --json "$OUT/decode.json" --trace "$OUT/trace" ;;
     codecs) run_stage codecs 60 python3 bench/codec_speed.py ;;
@@ -87,5 +87,8 @@ cat "$OUT/environment.txt"
 for line in "${summary[@]}"; do echo "$line"; done
 for stage in "$@"; do
   name=$stage; [ "$stage" = waittrain ] && name=train
-  [ -f "$OUT/$name.log" ] && { echo "===== $name (tail)"; tail -n 25 "$OUT/$name.log"; }
+  for log in "$OUT/$name.log" $([ "$stage" = gluonformats ] && ls "$OUT"/formats-*.log 2>/dev/null); do
+    [ -f "$log" ] && { echo "===== $(basename "$log" .log) (tail)"; tail -n 25 "$log"; }
+  done
 done
+exit 0

@@ -11,8 +11,9 @@ the legacy ``triton_kernel_call``, whose runtime finds the kernel by hashing
 the whole compressed kernel image on every call and which CUDA graphs cannot
 capture; :func:`_install_ffi_lowering` can lower them to the typed-FFI
 target ``triton_kernel_call_ffi`` instead (as jax_triton 0.4 does), which
-resolves the kernel once when the executable is initialized
-(``USE_FFI_TARGET``, opt-in through ``JFLASHLOOP_TRITON_TARGET=ffi``).
+resolves the kernel once when the executable is initialized and which XLA
+can put in its command buffers (``USE_FFI_TARGET``, the default;
+``JFLASHLOOP_TRITON_TARGET=legacy`` keeps jax_triton's own target).
 
 Importing this module needs a CUDA build of jaxlib, ``triton`` and
 ``jax_triton``: :func:`available` says whether they are there.
@@ -140,9 +141,9 @@ def _install_gluon_support() -> None:
 
 
 MAXNREG = "_jflashloop_maxnreg"
-# JFLASHLOOP_TRITON_TARGET=ffi lowers to ``triton_kernel_call_ffi`` where jaxlib has it; the default stays
-# jax_triton's legacy target until the FFI one has run on a GPU (bench/KERNEL_NOTES.md).
-USE_FFI_TARGET = os.environ.get("JFLASHLOOP_TRITON_TARGET", "legacy") == "ffi"
+# The calls lower to ``triton_kernel_call_ffi`` where jaxlib has it (measured: bench/KERNEL_NOTES.md, "The
+# typed-FFI target by default"); JFLASHLOOP_TRITON_TARGET=legacy keeps jax_triton's legacy target.
+USE_FFI_TARGET = os.environ.get("JFLASHLOOP_TRITON_TARGET", "ffi") != "legacy"
 
 
 def _ffi_target_available() -> bool:
