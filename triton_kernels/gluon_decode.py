@@ -1631,14 +1631,13 @@ def int4_pages_kernel_v2(
     slot = partial * slots + split
     o_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     o_chan = _value_physical(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), W)
-    # The group's rows only (rows past GROUP are padding; nothing reads them). The partials are kept in
-    # L2 (evict last) for the merge that reads them: the streamed pages would otherwise push them out.
+    # The group's rows only (rows past GROUP are padding; nothing reads them).
     gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows, 0) * D + gl.expand_dims(o_chan, 1), acc,
-             mask=gl.expand_dims(row_block * 8 + o_rows < GROUP, 0), eviction_policy="evict_last")
+             mask=gl.expand_dims(row_block * 8 + o_rows < GROUP, 0))
     r_sum = gl.arange(0, 8, layout=total.type.layout)
-    gl.store(sum_ptr + slot * 8 + r_sum, total, mask=row_block * 8 + r_sum < GROUP, eviction_policy="evict_last")
+    gl.store(sum_ptr + slot * 8 + r_sum, total, mask=row_block * 8 + r_sum < GROUP)
     r_max = gl.arange(0, 8, layout=run_max.type.layout)
-    gl.store(max_ptr + slot * 8 + r_max, run_max, mask=row_block * 8 + r_max < GROUP, eviction_policy="evict_last")
+    gl.store(max_ptr + slot * 8 + r_max, run_max, mask=row_block * 8 + r_max < GROUP)
     if MERGE:
         # Release this program's partials, count it; the last of its (sequence, head) merges them.
         done = gl.atomic_add(counter_ptr + program, 1, sem="acq_rel", scope="gpu")
