@@ -60,7 +60,8 @@ def formulation(name, loop=0, pages_only=False):
     # the next page's scores before this page's softmax (-o), registers per round trip of the in-kernel merge (-M)
     stages, fused, chunk, partials, maxnreg, merge, precise = None, False, None, False, None, None, None
     programs = gluon_launch.TARGET_PROGRAMS
-    lazy = overlap = merge_registers = None
+    lazy = merge_registers = None
+    overlap = False  # a formulation overlaps pages only with -o (the library's default may)
     min_pages = gluon_launch.MIN_PAGES_PER_SPLIT  # the library's default
     if name.startswith("gluon2-s"):
         kernel = "pipelined"

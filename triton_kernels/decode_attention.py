@@ -306,7 +306,10 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       multiplies per page). None: off.
     * ``overlap`` (pipelined kernel, one dense stream, whole-page chunks):
       make each page's scores before the previous page's softmax, so that
-      their products overlap it. None: off.
+      their products overlap it. None: on where
+      :func:`jflashloop_triton_kernels.launch.preferred_overlap` says so
+      (INT4 at head_dim 256), with :data:`launch.OVERLAP_STAGES` stages
+      when ``stages`` is None.
     * ``merge_registers`` (in-kernel merge): registers a thread gives the
       partials per round trip; None: ``launch.MERGE_REGISTERS``.
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
@@ -350,13 +353,21 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     residual = (streams[1]["keys"], streams[1]["values"]) if len(loops) >= 2 else None
     sparse = tuple(streams[i] for i in range(2, len(loops)))
     sparse_rows = tuple(loops[i].keys.rows for i in range(2, len(loops)))
+    streams_read = min(len(loops), 2)
+    default_overlap = overlap is None
+    if default_overlap:
+        overlap = (pipelined and (stages is None or stages >= 2) and (chunk or page_size) == page_size
+                   and launch.preferred_overlap(format=loops[0].keys.format, head_dim=head_dim,
+                                                streams=streams_read, sparse_rows=sparse_rows))
     if stages is None:
         capability = None if emulate else pallas_launch.local_capability()
-        streams_read = min(len(loops), 2)
-        stages = launch.preferred_stages(streams=streams_read, sparse_rows=sparse_rows) if capability is None \
-            else launch.pipelined_stages(capability=capability, head_dim=head_dim, page_size=page_size,
-                                         format=loops[0].keys.format, value_group=loops[0].values.group_size,
-                                         streams=streams_read, sparse_rows=sparse_rows)
+        stages = launch.preferred_stages(streams=streams_read, sparse_rows=sparse_rows, overlap=overlap) \
+            if capability is None else launch.pipelined_stages(
+                capability=capability, head_dim=head_dim, page_size=page_size, format=loops[0].keys.format,
+                value_group=loops[0].values.group_size, streams=streams_read, sparse_rows=sparse_rows,
+                overlap=overlap)
+    if default_overlap and stages < 2:  # too little shared memory for a page in flight
+        overlap = False
     if merge is None:  # measured: bench/KERNEL_NOTES.md ("Splits, merges and the custom-call target at 48 calls")
         slots = splits + 1 if fused_windows else splits
         merge = ("kernel" if pipelined and fused_windows and row_blocks == 1 and not partials_only
@@ -370,8 +381,6 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         precise = True
     if lazy is None:
         lazy = False
-    if overlap is None:
-        overlap = False
     # The pipelined kernel scales and pads the caller's queries itself (no XLA pass before it).
     kernel_query = queries.reshape(sequences, kv_heads, group, head_dim) if pipelined else query
     outputs = page_partials(

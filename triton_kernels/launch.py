@@ -30,6 +30,8 @@ PREFERRED_STAGES = 2  # one stream (bench/KERNEL_NOTES.md, H200)
 CHAIN_STAGES = 1  # two or more streams (loops 2-4): the shared memory of a second stage halves the blocks per SM
 ROTATED_MAXNREG = 255  # int4_rotated streams: ptxas allocates by need under a .maxnreg (preferred_maxnreg)
 MERGE_REGISTERS = 64  # registers a thread gives the in-kernel merge's partials per round trip (gluon_decode)
+OVERLAP_HEAD_DIMS = (256,)  # INT4, one stream: the next page's scores before this page's softmax by default
+OVERLAP_STAGES = 3  # the overlapped loop keeps a page in flight besides the two it works on
 
 
 def _padded_sparse_rows(rows: int) -> int:
@@ -84,12 +86,26 @@ def split_count(pairs: int, max_pages: int, *, target_programs: int = TARGET_PRO
     return splits
 
 
-def preferred_stages(*, streams: int = 1, sparse_rows: tuple[int, ...] = ()) -> int:
+def preferred_stages(*, streams: int = 1, sparse_rows: tuple[int, ...] = (), overlap: bool = False) -> int:
     """The measured best ``STAGES`` (H200, ``bench/RESULTS.md``): :data:`PREFERRED_STAGES` for one
-    stream, :data:`CHAIN_STAGES` when a chain adds a dense residual or sparse loops (the
-    kernel's registers already cap it at 8 warps per SM, and a second stage's shared memory
-    lowered that to 5: 0.505 against 0.366 ms at loop 4, B8 Hq32 Hkv8 T32K)."""
-    return PREFERRED_STAGES if streams == 1 and not sparse_rows else CHAIN_STAGES
+    stream (:data:`OVERLAP_STAGES` for the overlapped loop), :data:`CHAIN_STAGES` when a chain adds
+    a dense residual or sparse loops (the kernel's registers already cap it at 8 warps per SM, and a
+    second stage's shared memory lowered that to 5: 0.505 against 0.366 ms at loop 4, B8 Hq32 Hkv8
+    T32K)."""
+    if streams != 1 or sparse_rows:
+        return CHAIN_STAGES
+    return OVERLAP_STAGES if overlap else PREFERRED_STAGES
+
+
+def preferred_overlap(*, format: str, head_dim: int, streams: int = 1, sparse_rows: tuple[int, ...] = ()) -> bool:
+    """Whether the pipelined kernel makes page ``n + 1``'s scores before page ``n``'s softmax by default
+    (``overlap``): INT4, one dense stream, head_dim in :data:`OVERLAP_HEAD_DIMS`.
+
+    Measured on the H200 (``bench/RESULTS.md``, ``bench/KERNEL_NOTES.md``): at head_dim 256 (B8 Hq8 Hkv1
+    T32K) 0.054 against 0.062 ms queued and a page kernel of 51.1 against 55.4 us; at head_dim 128 it
+    gained 1-2% at T128K and lost up to 11% at B1 T64K, T4K and head_dim 64, and NVFP4 lost 20%.
+    """
+    return format == "int4" and head_dim in OVERLAP_HEAD_DIMS and streams == 1 and not sparse_rows
 
 
 def preferred_maxnreg(format: str) -> int | None:
@@ -106,7 +122,8 @@ def preferred_maxnreg(format: str) -> int | None:
 
 
 def pipelined_stages(*, capability: int, head_dim: int, page_size: int, format: str = "int4",
-                     value_group: int = 64, streams: int = 1, sparse_rows: tuple[int, ...] = ()) -> int:
+                     value_group: int = 64, streams: int = 1, sparse_rows: tuple[int, ...] = (),
+                     overlap: bool = False) -> int:
     """``STAGES`` for ``sm_<capability>``: :func:`preferred_stages`, or fewer where it would not fit.
 
     Raises:
@@ -115,7 +132,7 @@ def pipelined_stages(*, capability: int, head_dim: int, page_size: int, format: 
     budget = launch.shared_memory_per_block(capability)
     sizes = dict(head_dim=head_dim, page_size=page_size, format=format, value_group=value_group,
                  streams=streams, sparse_rows=sparse_rows)
-    for stages in range(preferred_stages(streams=streams, sparse_rows=sparse_rows), 0, -1):
+    for stages in range(preferred_stages(streams=streams, sparse_rows=sparse_rows, overlap=overlap), 0, -1):
         if pipelined_shared_bytes(stages=stages, **sizes) <= budget:
             return stages
     raise ValueError(f"the pipelined Gluon kernel needs {pipelined_shared_bytes(stages=1, **sizes)} bytes of "
