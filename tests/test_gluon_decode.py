@@ -121,9 +121,10 @@ def test_overlapped_pages_give_the_same_bits(rng, format, page_size):
 
 
 def test_overlap_is_the_default_for_int4_at_head_dim_256(rng, monkeypatch):
-    """INT4 at head_dim 256 takes the overlapped loop by default (3 stages; ``launch.preferred_overlap``):
-    the default call gives the bits of ``overlap=True, stages=3``, with the splits merged inside the kernel
-    (few partials) and by XLA; with one stage the default stays the plain loop."""
+    """INT4 at head_dim 256 with 64-token pages takes the overlapped loop by default (3 stages;
+    ``launch.preferred_overlap``): the default call gives the bits of ``overlap=True, stages=3``, with
+    the splits merged inside the kernel (few partials) and by XLA; with one stage the default stays the
+    plain loop."""
     from jflashloop_triton_kernels import decode_attention as gluon
     from jflashloop_triton_kernels import launch as gluon_launch
 
@@ -135,13 +136,14 @@ def test_overlap_is_the_default_for_int4_at_head_dim_256(rng, monkeypatch):
         return page_partials(*args, **kwargs)
 
     monkeypatch.setattr(gluon, "page_partials", spy)
-    assert gluon_launch.preferred_overlap(format="int4", head_dim=256)
-    assert not gluon_launch.preferred_overlap(format="int4", head_dim=128)
-    assert not gluon_launch.preferred_overlap(format="nvfp4", head_dim=256)
-    assert not gluon_launch.preferred_overlap(format="int4", head_dim=256, streams=2)
+    assert gluon_launch.preferred_overlap(format="int4", head_dim=256, page_size=64)
+    assert not gluon_launch.preferred_overlap(format="int4", head_dim=256, page_size=128)
+    assert not gluon_launch.preferred_overlap(format="int4", head_dim=128, page_size=64)
+    assert not gluon_launch.preferred_overlap(format="nvfp4", head_dim=256, page_size=64)
+    assert not gluon_launch.preferred_overlap(format="int4", head_dim=256, page_size=64, streams=2)
     assert gluon_launch.preferred_stages(overlap=True) == gluon_launch.OVERLAP_STAGES
-    config = one_loop_config(256, 16, max_pages_per_sequence=6, num_pages=12, max_sequences=2)
-    cache, _ = build(rng, config, prompt_lengths=[3 * 16 + 5, 16], steps=1)
+    config = one_loop_config(256, 64, max_pages_per_sequence=4, num_pages=8, max_sequences=2)
+    cache, _ = build(rng, config, prompt_lengths=[2 * 64 + 5, 64], steps=1)
     queries = jnp.asarray(rng.standard_normal((2, 8, 256)) * 3, jnp.float32)
     expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=True)
     for splits in (2, 20):  # in-kernel merge; more partials than KERNEL_MERGE_SLOTS: XLA's merge

@@ -308,7 +308,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       make each page's scores before the previous page's softmax, so that
       their products overlap it. None: on where
       :func:`jflashloop_triton_kernels.launch.preferred_overlap` says so
-      (INT4 at head_dim 256), with :data:`launch.OVERLAP_STAGES` stages
+      (INT4 at head_dim 256, 64-token pages), with :data:`launch.OVERLAP_STAGES` stages
       when ``stages`` is None.
     * ``merge_registers`` (in-kernel merge): registers a thread gives the
       partials per round trip; None: ``launch.MERGE_REGISTERS``.
@@ -358,7 +358,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     if default_overlap:
         overlap = (pipelined and (stages is None or stages >= 2) and (chunk or page_size) == page_size
                    and launch.preferred_overlap(format=loops[0].keys.format, head_dim=head_dim,
-                                                streams=streams_read, sparse_rows=sparse_rows))
+                                                page_size=page_size, streams=streams_read,
+                                                sparse_rows=sparse_rows))
     if stages is None:
         capability = None if emulate else pallas_launch.local_capability()
         stages = launch.preferred_stages(streams=streams_read, sparse_rows=sparse_rows, overlap=overlap) \

@@ -30,7 +30,8 @@ PREFERRED_STAGES = 2  # one stream (bench/KERNEL_NOTES.md, H200)
 CHAIN_STAGES = 1  # two or more streams (loops 2-4): the shared memory of a second stage halves the blocks per SM
 ROTATED_MAXNREG = 255  # int4_rotated streams: ptxas allocates by need under a .maxnreg (preferred_maxnreg)
 MERGE_REGISTERS = 64  # registers a thread gives the in-kernel merge's partials per round trip (gluon_decode)
-OVERLAP_HEAD_DIMS = (256,)  # INT4, one stream: the next page's scores before this page's softmax by default
+OVERLAP_HEAD_DIMS = (256,)  # INT4, one stream: the next page's scores before this page's softmax by default,
+OVERLAP_PAGE_SIZES = (64,)  # at these page sizes (measured there; ptxas spills more with it at 128 tokens)
 OVERLAP_STAGES = 3  # the overlapped loop keeps a page in flight besides the two it works on
 
 
@@ -97,15 +98,20 @@ def preferred_stages(*, streams: int = 1, sparse_rows: tuple[int, ...] = (), ove
     return OVERLAP_STAGES if overlap else PREFERRED_STAGES
 
 
-def preferred_overlap(*, format: str, head_dim: int, streams: int = 1, sparse_rows: tuple[int, ...] = ()) -> bool:
+def preferred_overlap(*, format: str, head_dim: int, page_size: int, streams: int = 1,
+                      sparse_rows: tuple[int, ...] = ()) -> bool:
     """Whether the pipelined kernel makes page ``n + 1``'s scores before page ``n``'s softmax by default
-    (``overlap``): INT4, one dense stream, head_dim in :data:`OVERLAP_HEAD_DIMS`.
+    (``overlap``): INT4, one dense stream, head_dim in :data:`OVERLAP_HEAD_DIMS` and pages in
+    :data:`OVERLAP_PAGE_SIZES`.
 
-    Measured on the H200 (``bench/RESULTS.md``, ``bench/KERNEL_NOTES.md``): at head_dim 256 (B8 Hq8 Hkv1
-    T32K) 0.054 against 0.062 ms queued and a page kernel of 51.1 against 55.4 us; at head_dim 128 it
-    gained 1-2% at T128K and lost up to 11% at B1 T64K, T4K and head_dim 64, and NVFP4 lost 20%.
+    Measured on the H200 (``bench/RESULTS.md``, ``bench/KERNEL_NOTES.md``): at head_dim 256 with 64-token
+    pages (B8 Hq8 Hkv1 T32K) 0.054 against 0.062 ms queued and a page kernel of 51.1 against 55.4 us
+    (ptxas, sm_90a: 48 bytes of spill stores against 200); at head_dim 128 it gained 1-2% at T128K and
+    lost up to 11% at B1 T64K, T4K and head_dim 64, and NVFP4 lost 20%. With 128-token pages at head_dim
+    256 ptxas spills more with it (712 bytes against 492); 16- and 32-token pages spill neither way.
     """
-    return format == "int4" and head_dim in OVERLAP_HEAD_DIMS and streams == 1 and not sparse_rows
+    return (format == "int4" and head_dim in OVERLAP_HEAD_DIMS and page_size in OVERLAP_PAGE_SIZES
+            and streams == 1 and not sparse_rows)
 
 
 def preferred_maxnreg(format: str) -> int | None:
