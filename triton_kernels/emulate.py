@@ -194,6 +194,16 @@ def _row_keys(words, scale, minimum):  # token-axis INT4 rows: code * scale + mi
     return tuple(_t(_fp16_fma(c, scale, minimum)) for c in _nibbles(words))
 
 
+def _one_hot_pairs(a, b, true_bits):  # float16 pairs compared half by half: true_bits where equal, else 0
+    a, b = (np.asarray(x).astype(np.uint32) for x in (a, b))
+    out = []
+    for shift in (0, 16):
+        equal = (((a >> np.uint32(shift)) & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16)
+                 == ((b >> np.uint32(shift)) & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16))
+        out.append(_t(np.where(equal, np.uint16(true_bits), np.uint16(0)).view(np.float16)))
+    return tuple(out)
+
+
 def _asm_table():
     from . import gluon_decode
 
@@ -203,6 +213,8 @@ def _asm_table():
         gluon_decode._ROTATED_VALUE_PAIR_ASM.value: _rotated_value_pairs,
         gluon_decode._KEY_CODES_ASM.value: _key_codes,
         gluon_decode._HALVES_ASM.value: _halves,
+        gluon_decode._SCATTER_ONE_HOT_ASM.value: lambda a, b: _one_hot_pairs(a, b, 0x0001),  # KEY_UNIT
+        gluon_decode._GATHER_ONE_HOT_ASM.value: lambda a, b: _one_hot_pairs(a, b, 0x3C00),  # 1.0
         gluon_decode._VALUE_PAIR_ASM.value: _value_pairs,
         gluon_decode._VALUE_PAIR_ASM_V2.value: _value_pairs,
         gluon_decode._E2M1_KEY_ASM.value: _e2m1_keys,
@@ -246,6 +258,7 @@ def _gluon_namespace():
         setattr(g, name, np.dtype(_DTYPES[{"float16": "fp16", "float32": "fp32", "float64": "fp64",
                                            "bfloat16": "bf16"}.get(name, name)]))
     g.constexpr = lambda value: value
+    g.to_linear_layout = _layout
     g.program_id = lambda axis: _t(np.int32(_Program.ids[axis]))
     g.arange = lambda start, end, layout=None: _t(np.arange(start, end, dtype=np.int32))
     g.zeros = lambda shape, dtype, layout=None: _t(np.zeros(shape, _np_dtype(dtype)))

@@ -1021,33 +1021,78 @@ def _copy_sparse(kw_s, vw_s, stage, tile, live, kw_ptr, vw_ptr, R: gl.constexpr,
     async_copy.async_copy_global_to_shared(vw_s.index(stage), vw_ptr + tile * (R * W) + offsets, mask=mask)
 
 
+@gluon.constexpr_function
+def _pair_layout(operand):
+    """The layout of ``[K/2, N]`` uint32 words that hold a ``[K, N]`` float16 B operand's
+    ``(k, k + 1)`` pairs, from the operand's linear layout (``gl.to_linear_layout``): its first
+    register basis is k bit 0, the pair's two halves; every other basis moves to ``k / 2``."""
+    if operand is None:  # the CPU emulation has no layouts
+        return None
+    assert list(operand.reg_bases[0]) == [1, 0], operand
+    regs = [[k >> 1, n] for k, n in operand.reg_bases[1:]]
+    lanes = [[k >> 1, n] for k, n in operand.lane_bases]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [operand.shape[0] // 2, operand.shape[1]])
+
+
+# One-hot pairs by one comparison of two float16 pairs: a sparse row's page position against a
+# token, both as float16 bits (positions < 1024: subnormals, exact; a padding row's -1 is 0xFFFF,
+# a NaN, equal to nothing). Scatter: KEY_UNIT (bits 0x0001) where equal; gather: 1.0.
+_SCATTER_ONE_HOT_ASM = gl.constexpr("""{
+.reg .b32 t;
+set.eq.u32.f16x2 t, $2, $3;
+and.b32 t, t, 0x00010001;
+mov.b32 {$0, $1}, t;
+}""")
+_GATHER_ONE_HOT_ASM = gl.constexpr("""{
+.reg .b32 t;
+set.eq.f16x2.f16x2 t, $2, $3;
+mov.b32 {$0, $1}, t;
+}""")
+
+
+@gluon.jit
+def _one_hot(pairs_a, pairs_b, ASM: gl.constexpr, K: gl.constexpr, N: gl.constexpr, B_OP: gl.constexpr):
+    """``[K, N]`` float16 one-hot B operand from ``[K/2, 1]`` and ``[1, N]`` (or ``[K/2, N]``)
+    uint32 float16 pairs: each pair compared at once (``ASM``), the halves placed at ``k, k + 1``
+    (register-only)."""
+    lo, hi = gl.inline_asm_elementwise(ASM, "=h,=h,r,r", [pairs_a, pairs_b], dtype=(gl.float16, gl.float16),
+                                       is_pure=True, pack=1)
+    x = gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [K, N])
+    return gl.convert_layout(x, B_OP, assert_trivial=True)
+
+
 @gluon.jit
 def _sparse_meta(tile, ks_ptr, km_ptr, vs_ptr, vm_ptr, pos_ptr, R: gl.constexpr, RP: gl.constexpr,
-                 NG: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, B_OP: gl.constexpr):
+                 NG: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, SP: gl.constexpr, GP: gl.constexpr):
     """A sparse tile's row metadata, read straight from memory: key and value (scale, min)
-    ``[RP, NG]`` (0 past ``R``) and the rows' token positions ``[RP]`` (-1 past ``R``), the
-    latter twice, in the layouts of the scatter and the gather one-hot operands."""
+    ``[RP, NG]`` (0 past ``R``) and the rows' page positions as float16 bits (0xFFFF, a NaN,
+    past ``R``): rows ``(2 i, 2 i + 1)`` paired ``[RP / 2]`` for the scatter (``SP``: the layout of
+    its pairs) and each row twice ``[RP]`` for the gather (``GP``)."""
     k_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, KS))
     k_offsets = gl.expand_dims(k_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, KS)), 0)
     k_mask = gl.expand_dims(k_rows < R, 1)
     v_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, VS))
     v_offsets = gl.expand_dims(v_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, VS)), 0)
     v_mask = gl.expand_dims(v_rows < R, 1)
-    scatter_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, B_OP))
-    gather_rows = gl.arange(0, RP, layout=gl.SliceLayout(0, B_OP))
+    even_rows = 2 * gl.arange(0, RP // 2, layout=gl.SliceLayout(1, SP))
+    gather_rows = gl.arange(0, RP, layout=gl.SliceLayout(0, GP))
     base = tile * (R * NG)
+    positions = pos_ptr + tile * R
+    even = gl.load(positions + even_rows, mask=even_rows < R, other=-1).to(gl.int32) & 0xFFFF
+    odd = gl.load(positions + even_rows + 1, mask=even_rows + 1 < R, other=-1).to(gl.int32) & 0xFFFF
+    gathered = gl.load(positions + gather_rows, mask=gather_rows < R, other=-1).to(gl.int32) & 0xFFFF
     return (gl.load(ks_ptr + base + k_offsets, mask=k_mask, other=0.0),
             gl.load(km_ptr + base + k_offsets, mask=k_mask, other=0.0),
             gl.load(vs_ptr + base + v_offsets, mask=v_mask, other=0.0),
             gl.load(vm_ptr + base + v_offsets, mask=v_mask, other=0.0),
-            gl.load(pos_ptr + tile * R + scatter_rows, mask=scatter_rows < R, other=-1).to(gl.int32),
-            gl.load(pos_ptr + tile * R + gather_rows, mask=gather_rows < R, other=-1).to(gl.int32))
+            (even | (odd << 16)).to(gl.uint32),
+            (gathered * 0x10001).to(gl.uint32))
 
 
 @gluon.jit
 def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CHUNK: gl.constexpr,
                        W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, MMA: gl.constexpr,
-                       A_OP: gl.constexpr, B_OP: gl.constexpr, KWR: gl.constexpr):
+                       A_OP: gl.constexpr, B_OP: gl.constexpr, KWR: gl.constexpr, SP: gl.constexpr):
     """``scores [16, CHUNK]`` plus a sparse key stream's residual scores at its rows' tokens:
     ``q . d`` for every stored row (one product), scattered to the chunk's tokens by a one-hot product."""
     scale, minimum, positions = meta[0], meta[1], meta[4]
@@ -1062,22 +1107,24 @@ def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CH
                                gl.reshape(c6, [RP, W]), gl.reshape(c7, [RP, W]), RP, W, D, B_OP)
     rows = _q_dot(query, keys, gl.zeros([16, RP], gl.float32, layout=MMA))  # [16, RP]
     rows = gl.convert_layout(rows.to(gl.float16), A_OP, assert_trivial=True)
-    token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, B_OP))
+    token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, SP))
     # [RP, CHUNK], KEY_UNIT at a row's token: the dense streams' scores are in units of KEY_UNIT
-    one_hot = gl.where(gl.expand_dims(positions, 1) == gl.expand_dims(token, 0), KEY_UNIT, 0.0).to(gl.float16)
+    one_hot = _one_hot(gl.expand_dims(positions, 1), gl.expand_dims((token * 0x10001).to(gl.uint32), 0),
+                       _SCATTER_ONE_HOT_ASM, RP, CHUNK, B_OP)
     return mma_v2(rows, one_hot, scores)
 
 
 @gluon.jit
 def _add_sparse_values(acc, weights, vw_s, stage, meta, c, RP: gl.constexpr, CHUNK: gl.constexpr,
                        W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, MMA: gl.constexpr,
-                       A_OP: gl.constexpr, B_OP: gl.constexpr, VTR: gl.constexpr):
+                       A_OP: gl.constexpr, B_OP: gl.constexpr, VTR: gl.constexpr, GP: gl.constexpr):
     """``acc [D, 8]`` plus a sparse value stream's residual rows weighted by their tokens'
     probabilities (gathered by a one-hot product)."""
     scale, minimum, positions = meta[2], meta[3], meta[5]
     probabilities = _pad_rows(weights.to(gl.float16), CHUNK, A_OP)  # [16, CHUNK]
-    token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, B_OP))
-    one_hot = (gl.expand_dims(token, 1) == gl.expand_dims(positions, 0)).to(gl.float16)  # [CHUNK, RP]
+    token = c * CHUNK + 2 * gl.arange(0, CHUNK // 2, layout=gl.SliceLayout(1, GP))  # tokens (t, t + 1)
+    one_hot = _one_hot(gl.expand_dims((token | ((token + 1) << 16)).to(gl.uint32), 1), gl.expand_dims(positions, 0),
+                       _GATHER_ONE_HOT_ASM, CHUNK, RP, B_OP)  # [CHUNK, RP]
     gathered = _top_rows(mma_v2(probabilities, one_hot, gl.zeros([16, RP], gl.float32, layout=MMA)), RP)
     p_rows = gl.convert_layout(gl.permute(gathered.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)  # [RP, 8]
     values = _value_tile_v2(vw_s.index(stage).load(VTR), scale, minimum, RP, W, D, NG, A_OP)
@@ -1402,6 +1449,8 @@ def int4_pages_kernel_v2(
         KS3: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP3, W], gl.uint32, layout=KW3),
                                                          [RP3, NG, W // NG]).type.layout)
         VS3: gl.constexpr = _value_meta_layout(RP3, NG, D, GV)
+        SP3: gl.constexpr = _pair_layout(gl.to_linear_layout(B_OP, [RP3, CHUNK]))  # the one-hot operands' pairs
+        GP3: gl.constexpr = _pair_layout(gl.to_linear_layout(B_OP, [CHUNK, RP3]))
     if SPARSE >= 2:
         kw4_s, vw4_s = _sparse_buffers(STAGES, RP4, W)
         KW4: gl.constexpr = _key_words_layout(RP4, W)
@@ -1409,6 +1458,8 @@ def int4_pages_kernel_v2(
         KS4: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP4, W], gl.uint32, layout=KW4),
                                                          [RP4, NG, W // NG]).type.layout)
         VS4: gl.constexpr = _value_meta_layout(RP4, NG, D, GV)
+        SP4: gl.constexpr = _pair_layout(gl.to_linear_layout(B_OP, [RP4, CHUNK]))  # the one-hot operands' pairs
+        GP4: gl.constexpr = _pair_layout(gl.to_linear_layout(B_OP, [CHUNK, RP4]))
 
     # The first page's block-table entry and the query are loaded beside the sequence's length, not
     # after it: the first page's copy then waits for one round trip, not two.
@@ -1540,9 +1591,11 @@ def int4_pages_kernel_v2(
             async_copy.commit_group()
             current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
             if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
-                meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, B_OP)
+                meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SP3,
+                                     GP3)
             if SPARSE >= 2:
-                meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, B_OP)
+                meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, SP4,
+                                     GP4)
             if FORMAT == NVFP4:  # the tile scales come from global memory: load them before waiting
                 terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D,
                                     W, A_OP, B8, KM, FORMAT, PRECISE)
@@ -1577,10 +1630,10 @@ def int4_pages_kernel_v2(
                                            B_OP, KW, FORMAT)
                 if SPARSE >= 1:
                     both = _add_sparse_scores(both, query, kw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
-                                              B_OP, KW3)
+                                              B_OP, KW3, SP3)
                 if SPARSE >= 2:
                     both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
-                                              B_OP, KW4)
+                                              B_OP, KW4, SP4)
                 scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
                 scores = _mask_chunk(scores, (first + step) * PAGE + c * CHUNK, tokens, current_live, packed_end, SINK,
                                      CHUNK)
@@ -1593,10 +1646,10 @@ def int4_pages_kernel_v2(
                                       A_OP, B_OP, VT, VS, FORMAT)
                 if SPARSE >= 1:
                     acc = _add_sparse_values(acc, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
-                                             B_OP, VT3)
+                                             B_OP, VT3, GP3)
                 if SPARSE >= 2:
                     acc = _add_sparse_values(acc, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
-                                             B_OP, VT4)
+                                             B_OP, VT4, GP4)
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
 
