@@ -38,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from . import launch
 from .launch import MERGE_REGISTERS
 
 ROWS = 8  # query rows per (sequence, KV head): the GQA group padded to 8
@@ -247,6 +248,13 @@ def _stack_rows(top, bottom, N: gl.constexpr, LAYOUT: gl.constexpr):
     """Two ``[8, N]`` -> ``[16, N]`` (``top`` in rows 0-7) in ``LAYOUT`` (register-only)."""
     x = gl.permute(gl.join(top, bottom), [2, 0, 1])
     return gl.convert_layout(gl.reshape(x, [16, N]), LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _stack_cols(left, right, M: gl.constexpr, N: gl.constexpr, LAYOUT: gl.constexpr):
+    """Two ``[M, N]`` -> ``[M, 2 N]`` (``left`` in columns ``0 .. N``) in ``LAYOUT`` (register-only)."""
+    x = gl.permute(gl.join(left, right), [0, 2, 1])
+    return gl.convert_layout(gl.reshape(x, [M, 2 * N]), LAYOUT, assert_trivial=True)
 
 
 @gluon.jit
@@ -648,10 +656,28 @@ def _value_shared(page: int, words: int):
     return gl.SharedLinearLayout(word_bases + token_bases)
 
 
+_padded_sparse_rows = gluon.constexpr_function(launch.padded_sparse_rows)
+
+
 @gluon.constexpr_function
-def _padded_sparse_rows(rows: int) -> int:
-    """Rows of a sparse tile as the kernel holds them: a power of two >= 16 (the products' k)."""
-    return max(16, 1 << (rows - 1).bit_length())
+def _product_k(rows: int) -> int:
+    """The k of the products that take a sparse tile's rows on their k axis (m16n8k16: at least 16;
+    a tile of 8 rows is padded with zeros in registers)."""
+    return max(16, rows)
+
+
+@gluon.constexpr_function
+def _narrowed(layout, dim: int, size: int):
+    """``layout`` (a linear layout) cut to ``size`` along ``dim``: register bases beyond it dropped
+    (the registers a zero-padded half would hold)."""
+    if layout is None or layout.shape[dim] == size:  # (the CPU emulation has no layouts)
+        return layout
+    assert all(b[dim] < size for b in list(layout.lane_bases) + list(layout.warp_bases)), layout
+    regs = [list(b) for b in layout.reg_bases if b[dim] < size]
+    shape = list(layout.shape)
+    shape[dim] = size
+    return gl.DistributedLinearLayout(regs, [list(b) for b in layout.lane_bases], [list(b) for b in layout.warp_bases],
+                                      [], shape)
 
 
 @gluon.constexpr_function
@@ -1051,23 +1077,25 @@ mov.b32 {$0, $1}, t;
 
 
 @gluon.jit
-def _one_hot(pairs_a, pairs_b, ASM: gl.constexpr, K: gl.constexpr, N: gl.constexpr, B_OP: gl.constexpr):
-    """``[K, N]`` float16 one-hot B operand from ``[K/2, 1]`` and ``[1, N]`` (or ``[K/2, N]``)
-    uint32 float16 pairs: each pair compared at once (``ASM``), the halves placed at ``k, k + 1``
-    (register-only)."""
+def _one_hot(pairs_a, pairs_b, ASM: gl.constexpr, K: gl.constexpr, N: gl.constexpr, LAYOUT: gl.constexpr):
+    """``[K, N]`` float16 one-hot (a B operand's values, in ``LAYOUT``: its linear form) from
+    ``[K/2, 1]`` and ``[1, N]`` uint32 float16 pairs in ``_pair_layout(LAYOUT)``'s slices: each pair
+    compared at once (``ASM``), the halves placed at ``k, k + 1`` (register-only)."""
     lo, hi = gl.inline_asm_elementwise(ASM, "=h,=h,r,r", [pairs_a, pairs_b], dtype=(gl.float16, gl.float16),
                                        is_pure=True, pack=1)
     x = gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [K, N])
-    return gl.convert_layout(x, B_OP, assert_trivial=True)
+    return gl.convert_layout(x, LAYOUT, assert_trivial=True)
 
 
 @gluon.jit
 def _sparse_meta(tile, ks_ptr, km_ptr, vs_ptr, vm_ptr, pos_ptr, R: gl.constexpr, RP: gl.constexpr,
-                 NG: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, SP: gl.constexpr, GP: gl.constexpr):
+                 NG: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, SB: gl.constexpr, GB: gl.constexpr):
     """A sparse tile's row metadata, read straight from memory: key and value (scale, min)
     ``[RP, NG]`` (0 past ``R``) and the rows' page positions as float16 bits (0xFFFF, a NaN,
-    past ``R``): rows ``(2 i, 2 i + 1)`` paired ``[RP / 2]`` for the scatter (``SP``: the layout of
-    its pairs) and each row twice ``[RP]`` for the gather (``GP``)."""
+    past ``R``): rows ``(2 i, 2 i + 1)`` paired ``[RP / 2]`` for the scatter's one-hot operand
+    (``SB``, ``[RP, CHUNK]``) and each row twice ``[RP]`` for the gather's (``GB``, ``[CHUNK, RP]``)."""
+    SP: gl.constexpr = _pair_layout(SB)
+    GP: gl.constexpr = _pair_layout(GB)
     k_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, KS))
     k_offsets = gl.expand_dims(k_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, KS)), 0)
     k_mask = gl.expand_dims(k_rows < R, 1)
@@ -1092,9 +1120,11 @@ def _sparse_meta(tile, ks_ptr, km_ptr, vs_ptr, vm_ptr, pos_ptr, R: gl.constexpr,
 @gluon.jit
 def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CHUNK: gl.constexpr,
                        W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, MMA: gl.constexpr,
-                       A_OP: gl.constexpr, B_OP: gl.constexpr, KWR: gl.constexpr, SP: gl.constexpr):
+                       A_OP: gl.constexpr, B_OP: gl.constexpr, KWR: gl.constexpr, SB: gl.constexpr):
     """``scores [16, CHUNK]`` plus a sparse key stream's residual scores at its rows' tokens:
-    ``q . d`` for every stored row (one product), scattered to the chunk's tokens by a one-hot product."""
+    ``q . d`` for every stored row (one product, ``n = RP``), scattered to the chunk's tokens by a
+    one-hot product (``k = RP``; 8 rows padded to 16 with zeros in registers). ``SB``: the one-hot
+    operand's layout ``[RP, CHUNK]``."""
     scale, minimum, positions = meta[0], meta[1], meta[4]
     words = gl.reshape(kw_s.index(stage).load(KWR), [RP, NG, W // NG])
     S2: gl.constexpr = gl.SliceLayout(2, words.type.layout)
@@ -1105,29 +1135,44 @@ def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CH
     keys = _planes_to_key_tile(gl.reshape(c0, [RP, W]), gl.reshape(c1, [RP, W]), gl.reshape(c2, [RP, W]),
                                gl.reshape(c3, [RP, W]), gl.reshape(c4, [RP, W]), gl.reshape(c5, [RP, W]),
                                gl.reshape(c6, [RP, W]), gl.reshape(c7, [RP, W]), RP, W, D, B_OP)
-    rows = _q_dot(query, keys, gl.zeros([16, RP], gl.float32, layout=MMA))  # [16, RP]
-    rows = gl.convert_layout(rows.to(gl.float16), A_OP, assert_trivial=True)
-    token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, SP))
+    rows = _q_dot(query, keys, gl.zeros([16, RP], gl.float32, layout=MMA)).to(gl.float16)  # [16, RP]
+    token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, _pair_layout(SB)))
     # [RP, CHUNK], KEY_UNIT at a row's token: the dense streams' scores are in units of KEY_UNIT
     one_hot = _one_hot(gl.expand_dims(positions, 1), gl.expand_dims((token * 0x10001).to(gl.uint32), 0),
-                       _SCATTER_ONE_HOT_ASM, RP, CHUNK, B_OP)
+                       _SCATTER_ONE_HOT_ASM, RP, CHUNK, SB)
+    if RP < 16:
+        rows = _stack_cols(rows, gl.zeros_like(rows), 16, RP, A_OP)
+        one_hot = _stack_rows(one_hot, gl.zeros_like(one_hot), CHUNK, B_OP)
+    else:
+        rows = gl.convert_layout(rows, A_OP, assert_trivial=True)
+        one_hot = gl.convert_layout(one_hot, B_OP, assert_trivial=True)
     return mma_v2(rows, one_hot, scores)
 
 
 @gluon.jit
 def _add_sparse_values(acc, weights, vw_s, stage, meta, c, RP: gl.constexpr, CHUNK: gl.constexpr,
                        W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, MMA: gl.constexpr,
-                       A_OP: gl.constexpr, B_OP: gl.constexpr, VTR: gl.constexpr, GP: gl.constexpr):
+                       A_OP: gl.constexpr, B_OP: gl.constexpr, VTR: gl.constexpr, GB: gl.constexpr,
+                       VA: gl.constexpr):
     """``acc [D, 8]`` plus a sparse value stream's residual rows weighted by their tokens'
-    probabilities (gathered by a one-hot product)."""
+    probabilities (gathered by a one-hot product, ``n = RP``; then ``k = RP``, 8 rows padded to 16
+    with zeros in registers). ``GB``: the one-hot operand's layout ``[CHUNK, RP]``; ``VA``: the
+    rows' ``[D, RP]``."""
     scale, minimum, positions = meta[2], meta[3], meta[5]
     probabilities = _pad_rows(weights.to(gl.float16), CHUNK, A_OP)  # [16, CHUNK]
-    token = c * CHUNK + 2 * gl.arange(0, CHUNK // 2, layout=gl.SliceLayout(1, GP))  # tokens (t, t + 1)
+    token = c * CHUNK + 2 * gl.arange(0, CHUNK // 2, layout=gl.SliceLayout(1, _pair_layout(GB)))  # (t, t + 1)
     one_hot = _one_hot(gl.expand_dims((token | ((token + 1) << 16)).to(gl.uint32), 1), gl.expand_dims(positions, 0),
-                       _GATHER_ONE_HOT_ASM, CHUNK, RP, B_OP)  # [CHUNK, RP]
+                       _GATHER_ONE_HOT_ASM, CHUNK, RP, GB)  # [CHUNK, RP]
+    one_hot = gl.convert_layout(one_hot, B_OP, assert_trivial=True)
     gathered = _top_rows(mma_v2(probabilities, one_hot, gl.zeros([16, RP], gl.float32, layout=MMA)), RP)
-    p_rows = gl.convert_layout(gl.permute(gathered.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)  # [RP, 8]
-    values = _value_tile_v2(vw_s.index(stage).load(VTR), scale, minimum, RP, W, D, NG, A_OP)
+    p_rows = gl.permute(gathered.to(gl.float16), [1, 0])  # [RP, 8]
+    values = _value_tile_v2(vw_s.index(stage).load(VTR), scale, minimum, RP, W, D, NG, VA)
+    if RP < 16:
+        p_rows = _stack_rows(p_rows, gl.zeros_like(p_rows), 8, B_OP)
+        values = _stack_cols(values, gl.zeros_like(values), D, RP, A_OP)
+    else:
+        p_rows = gl.convert_layout(p_rows, B_OP, assert_trivial=True)
+        values = gl.convert_layout(values, A_OP, assert_trivial=True)
     return mma_v2(values, p_rows, acc)
 
 
@@ -1449,8 +1494,10 @@ def int4_pages_kernel_v2(
         KS3: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP3, W], gl.uint32, layout=KW3),
                                                          [RP3, NG, W // NG]).type.layout)
         VS3: gl.constexpr = _value_meta_layout(RP3, NG, D, GV)
-        SP3: gl.constexpr = _pair_layout(gl.to_linear_layout(B_OP, [RP3, CHUNK]))  # the one-hot operands' pairs
-        GP3: gl.constexpr = _pair_layout(gl.to_linear_layout(B_OP, [CHUNK, RP3]))
+        # the one-hot operands' layouts (the scatter's k and the values' k cut to RP3 from 16 when 8)
+        SB3: gl.constexpr = _narrowed(gl.to_linear_layout(B_OP, [_product_k(RP3), CHUNK]), 0, RP3)
+        GB3: gl.constexpr = gl.to_linear_layout(B_OP, [CHUNK, RP3])
+        VA3: gl.constexpr = _narrowed(gl.to_linear_layout(A_OP, [D, _product_k(RP3)]), 1, RP3)
     if SPARSE >= 2:
         kw4_s, vw4_s = _sparse_buffers(STAGES, RP4, W)
         KW4: gl.constexpr = _key_words_layout(RP4, W)
@@ -1458,8 +1505,10 @@ def int4_pages_kernel_v2(
         KS4: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP4, W], gl.uint32, layout=KW4),
                                                          [RP4, NG, W // NG]).type.layout)
         VS4: gl.constexpr = _value_meta_layout(RP4, NG, D, GV)
-        SP4: gl.constexpr = _pair_layout(gl.to_linear_layout(B_OP, [RP4, CHUNK]))  # the one-hot operands' pairs
-        GP4: gl.constexpr = _pair_layout(gl.to_linear_layout(B_OP, [CHUNK, RP4]))
+        # the one-hot operands' layouts (the scatter's k and the values' k cut to RP4 from 16 when 8)
+        SB4: gl.constexpr = _narrowed(gl.to_linear_layout(B_OP, [_product_k(RP4), CHUNK]), 0, RP4)
+        GB4: gl.constexpr = gl.to_linear_layout(B_OP, [CHUNK, RP4])
+        VA4: gl.constexpr = _narrowed(gl.to_linear_layout(A_OP, [D, _product_k(RP4)]), 1, RP4)
 
     # The first page's block-table entry and the query are loaded beside the sequence's length, not
     # after it: the first page's copy then waits for one round trip, not two.
@@ -1591,11 +1640,11 @@ def int4_pages_kernel_v2(
             async_copy.commit_group()
             current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
             if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
-                meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SP3,
-                                     GP3)
+                meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SB3,
+                                     GB3)
             if SPARSE >= 2:
-                meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, SP4,
-                                     GP4)
+                meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, SB4,
+                                     GB4)
             if FORMAT == NVFP4:  # the tile scales come from global memory: load them before waiting
                 terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D,
                                     W, A_OP, B8, KM, FORMAT, PRECISE)
@@ -1630,10 +1679,10 @@ def int4_pages_kernel_v2(
                                            B_OP, KW, FORMAT)
                 if SPARSE >= 1:
                     both = _add_sparse_scores(both, query, kw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
-                                              B_OP, KW3, SP3)
+                                              B_OP, KW3, SB3)
                 if SPARSE >= 2:
                     both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
-                                              B_OP, KW4, SP4)
+                                              B_OP, KW4, SB4)
                 scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
                 scores = _mask_chunk(scores, (first + step) * PAGE + c * CHUNK, tokens, current_live, packed_end, SINK,
                                      CHUNK)
@@ -1646,10 +1695,10 @@ def int4_pages_kernel_v2(
                                       A_OP, B_OP, VT, VS, FORMAT)
                 if SPARSE >= 1:
                     acc = _add_sparse_values(acc, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
-                                             B_OP, VT3, GP3)
+                                             B_OP, VT3, GB3, VA3)
                 if SPARSE >= 2:
                     acc = _add_sparse_values(acc, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
-                                             B_OP, VT4, GP4)
+                                             B_OP, VT4, GB4, VA4)
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
 

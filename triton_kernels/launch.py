@@ -35,9 +35,10 @@ OVERLAP_PAGE_SIZES = (64,)  # at these page sizes (measured there; ptxas spills 
 OVERLAP_STAGES = 3  # the overlapped loop keeps a page in flight besides the two it works on
 
 
-def _padded_sparse_rows(rows: int) -> int:
-    """Rows of a sparse loop's shared tile (as the kernel pads them: a power of two >= 16)."""
-    return max(16, 1 << (rows - 1).bit_length())
+def padded_sparse_rows(rows: int) -> int:
+    """Rows of a sparse loop's tile as the Gluon kernel holds them: a power of two >= 8 (the n of the
+    products that take the rows on their n axis; those that take them on k pad 8 rows to 16 in registers)."""
+    return max(8, 1 << (rows - 1).bit_length())
 
 
 def pipelined_shared_bytes(*, head_dim: int, page_size: int, stages: int, format: str = "int4",
@@ -58,7 +59,7 @@ def pipelined_shared_bytes(*, head_dim: int, page_size: int, stages: int, format
         "nvfp4": 2 * page_size * (head_dim // 16),  # E4M3 bytes of keys and values
         "int4_rotated": 2 * page_size * 4,  # one float32 per row, keys and values
     }[format]
-    sparse = sum(2 * _padded_sparse_rows(rows) * head_dim // 2 for rows in sparse_rows)  # key + value words
+    sparse = sum(2 * padded_sparse_rows(rows) * head_dim // 2 for rows in sparse_rows)  # key + value words
     return stages * (streams * (words + metadata) + sparse)
 
 
