@@ -731,35 +731,56 @@ def _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages):
 def _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, stage, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
                  vm_ptr, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr,
                  FORMAT: gl.constexpr):
-    """cp.async every array of one stream's page tile ``tile`` into stage ``stage`` (nothing unless ``live``).
+    """cp.async every array of one stream's page tile ``tile`` into stage ``stage`` (nothing unless ``live``):
+    :func:`_copy_stream_keys` and :func:`_copy_stream_values`."""
+    _copy_stream_keys(kw_s, ks_s, km_s, stage, tile, live, kw_ptr, ks_ptr, km_ptr, PAGE, W, D, FORMAT)
+    _copy_stream_values(vw_s, vs_s, vm_s, stage, tile, live, vw_ptr, vs_ptr, vm_ptr, PAGE, W, D, NG, FORMAT)
 
-    INT4: words, key scale/min ``[D]``, value scale/min ``[PAGE, NG]`` (float16).
-    NVFP4: words and the E4M3 scale bytes ``[PAGE, D/16]`` of keys and values
-    (the per-tile float32 scales are read when the page is used).
-    """
+
+@gluon.jit
+def _page_words(kw_s, stage, tile, live, kw_ptr, PAGE: gl.constexpr, W: gl.constexpr):
+    """cp.async one page tile's words ``[PAGE, W]``."""
     WORDS: gl.constexpr = _copy_layout(PAGE, W, 4)
-    KMETA: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
-    BYTES: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
     w_rows = gl.arange(0, PAGE, layout=gl.SliceLayout(1, WORDS))
     w_cols = gl.arange(0, W, layout=gl.SliceLayout(0, WORDS))
     w_offsets = gl.expand_dims(w_rows, 1) * W + gl.expand_dims(w_cols, 0)
     async_copy.async_copy_global_to_shared(kw_s.index(stage), kw_ptr + tile * (PAGE * W) + w_offsets, mask=live)
-    async_copy.async_copy_global_to_shared(vw_s.index(stage), vw_ptr + tile * (PAGE * W) + w_offsets, mask=live)
+
+
+@gluon.jit
+def _copy_stream_keys(kw_s, ks_s, km_s, stage, tile, live, kw_ptr, ks_ptr, km_ptr, PAGE: gl.constexpr,
+                      W: gl.constexpr, D: gl.constexpr, FORMAT: gl.constexpr):
+    """cp.async one stream's key tile: words and INT4 key scale/min ``[D]`` (float16), NVFP4 E4M3 scale
+    bytes ``[PAGE, D/16]`` or int4_rotated row scales ``[PAGE]`` (float32)."""
+    _page_words(kw_s, stage, tile, live, kw_ptr, PAGE, W)
     if FORMAT == ROTATED:
         r_offsets = gl.arange(0, PAGE, layout=gl.BlockedLayout([4], [32], [1], [0]))
         async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * PAGE + r_offsets, mask=live)
-        async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * PAGE + r_offsets, mask=live)
     elif FORMAT == NVFP4:
-        b_offsets = gl.arange(0, PAGE * (D // 16), layout=BYTES)
+        b_offsets = gl.arange(0, PAGE * (D // 16), layout=gl.BlockedLayout([16], [32], [1], [0]))
         async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * (PAGE * (D // 16)) + b_offsets,
                                                mask=live)
+    else:
+        k_offsets = gl.arange(0, D, layout=gl.BlockedLayout([8], [32], [1], [0]))
+        async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * D + k_offsets, mask=live)
+        async_copy.async_copy_global_to_shared(km_s.index(stage), km_ptr + tile * D + k_offsets, mask=live)
+
+
+@gluon.jit
+def _copy_stream_values(vw_s, vs_s, vm_s, stage, tile, live, vw_ptr, vs_ptr, vm_ptr, PAGE: gl.constexpr,
+                        W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, FORMAT: gl.constexpr):
+    """cp.async one stream's value tile: words and INT4 value scale/min ``[PAGE, NG]`` (float16), NVFP4
+    E4M3 scale bytes ``[PAGE, D/16]`` or int4_rotated row scales ``[PAGE]`` (float32)."""
+    _page_words(vw_s, stage, tile, live, vw_ptr, PAGE, W)
+    if FORMAT == ROTATED:
+        r_offsets = gl.arange(0, PAGE, layout=gl.BlockedLayout([4], [32], [1], [0]))
+        async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * PAGE + r_offsets, mask=live)
+    elif FORMAT == NVFP4:
+        b_offsets = gl.arange(0, PAGE * (D // 16), layout=gl.BlockedLayout([16], [32], [1], [0]))
         async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * (PAGE * (D // 16)) + b_offsets,
                                                mask=live)
     else:
-        k_offsets = gl.arange(0, D, layout=KMETA)
-        v_offsets = gl.arange(0, PAGE * NG, layout=KMETA)
-        async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * D + k_offsets, mask=live)
-        async_copy.async_copy_global_to_shared(km_s.index(stage), km_ptr + tile * D + k_offsets, mask=live)
+        v_offsets = gl.arange(0, PAGE * NG, layout=gl.BlockedLayout([8], [32], [1], [0]))
         async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * (PAGE * NG) + v_offsets,
                                                mask=live)
         async_copy.async_copy_global_to_shared(vm_s.index(stage), vm_ptr + tile * (PAGE * NG) + v_offsets,
@@ -1039,12 +1060,18 @@ def _sparse_buffers(STAGES: gl.constexpr, RP: gl.constexpr, W: gl.constexpr):
 def _copy_sparse(kw_s, vw_s, stage, tile, live, kw_ptr, vw_ptr, R: gl.constexpr, RP: gl.constexpr,
                  W: gl.constexpr):
     """cp.async the ``R`` stored key and value rows of a sparse tile (rows ``R .. RP`` zero-filled)."""
+    _copy_rows(kw_s, stage, tile, live, kw_ptr, R, RP, W)
+    _copy_rows(vw_s, stage, tile, live, vw_ptr, R, RP, W)
+
+
+@gluon.jit
+def _copy_rows(w_s, stage, tile, live, w_ptr, R: gl.constexpr, RP: gl.constexpr, W: gl.constexpr):
+    """cp.async the ``R`` stored rows (keys or values) of a sparse tile (rows ``R .. RP`` zero-filled)."""
     WORDS: gl.constexpr = _copy_layout(RP, W, 4)
     rows = gl.arange(0, RP, layout=gl.SliceLayout(1, WORDS))
     offsets = gl.expand_dims(rows, 1) * W + gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(0, WORDS)), 0)
     mask = live & gl.expand_dims(rows < R, 1)
-    async_copy.async_copy_global_to_shared(kw_s.index(stage), kw_ptr + tile * (R * W) + offsets, mask=mask)
-    async_copy.async_copy_global_to_shared(vw_s.index(stage), vw_ptr + tile * (R * W) + offsets, mask=mask)
+    async_copy.async_copy_global_to_shared(w_s.index(stage), w_ptr + tile * (R * W) + offsets, mask=mask)
 
 
 @gluon.constexpr_function
@@ -1556,6 +1583,25 @@ def int4_pages_kernel_v2(
         if SPARSE >= 2:
             _copy_sparse(kw4_s, vw4_s, s, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
         async_copy.commit_group()
+    if STAGES == 1:  # the staggered loop below: a page's keys and its values as two copy groups
+        tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
+        _copy_stream_keys(kw_s, ks_s, km_s, 0, tile, live, kw_ptr, ks_ptr, km_ptr, PAGE, W, D, FORMAT)
+        if STREAMS == 2:
+            _copy_stream_keys(kw2_s, ks2_s, km2_s, 0, tile, live, kw2_ptr, ks2_ptr, km2_ptr, PAGE, W, D, FORMAT)
+        if SPARSE >= 1:
+            _copy_rows(kw3_s, 0, tile, live, kw3_ptr, R3, RP3, W)
+        if SPARSE >= 2:
+            _copy_rows(kw4_s, 0, tile, live, kw4_ptr, R4, RP4, W)
+        async_copy.commit_group()
+        _copy_stream_values(vw_s, vs_s, vm_s, 0, tile, live, vw_ptr, vs_ptr, vm_ptr, PAGE, W, D, NG, FORMAT)
+        if STREAMS == 2:
+            _copy_stream_values(vw2_s, vs2_s, vm2_s, 0, tile, live, vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG,
+                                FORMAT)
+        if SPARSE >= 1:
+            _copy_rows(vw3_s, 0, tile, live, vw3_ptr, R3, RP3, W)
+        if SPARSE >= 2:
+            _copy_rows(vw4_s, 0, tile, live, vw4_ptr, R4, RP4, W)
+        async_copy.commit_group()
 
     B8: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     zeros_b8 = gl.zeros([D, 8], gl.float16, layout=B8)
@@ -1625,19 +1671,26 @@ def int4_pages_kernel_v2(
             acc = _add_values(acc, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, last % STAGES, 0, PAGE, PAGE,
                               W, D, NG, A_OP, B_OP, VT, VS, FORMAT)
     else:
+        # With one stage (STAGGERED) the next page's keys are copied once this page's scores are made, and its
+        # values once this page's values are used: each copy flies behind the other half of a page's work.
+        STAGGERED: gl.constexpr = STAGES == 1
         for step in range(count):
-            ahead = (step + STAGES - 1) % STAGES
-            tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
-            _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, ahead, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
-                         vm_ptr, PAGE, W, D, NG, FORMAT)
-            if STREAMS == 2:
-                _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, ahead, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
-                             vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
-            if SPARSE >= 1:
-                _copy_sparse(kw3_s, vw3_s, ahead, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
-            if SPARSE >= 2:
-                _copy_sparse(kw4_s, vw4_s, ahead, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
-            async_copy.commit_group()
+            if STAGGERED:
+                following, following_live = _page_tile(step + 1, count, first, seq, head, table_ptr, pool_pages,
+                                                       max_pages)
+            else:
+                ahead = (step + STAGES - 1) % STAGES
+                tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
+                _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, ahead, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr,
+                             vs_ptr, vm_ptr, PAGE, W, D, NG, FORMAT)
+                if STREAMS == 2:
+                    _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, ahead, tile, live, kw2_ptr, ks2_ptr,
+                                 km2_ptr, vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
+                if SPARSE >= 1:
+                    _copy_sparse(kw3_s, vw3_s, ahead, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
+                if SPARSE >= 2:
+                    _copy_sparse(kw4_s, vw4_s, ahead, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
+                async_copy.commit_group()
             current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
             if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
                 meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SB3,
@@ -1651,7 +1704,10 @@ def int4_pages_kernel_v2(
                 if STREAMS == 2:
                     terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, step % STAGES, zeros_b8,
                                          zeros_c8, D, W, A_OP, B8, KM, FORMAT, PRECISE)
-            async_copy.wait_group(STAGES - 1)  # this page's copies have landed in shared memory
+            if STAGGERED:
+                async_copy.wait_group(1)  # this page's keys have landed (its values may be in flight)
+            else:
+                async_copy.wait_group(STAGES - 1)  # this page's copies have landed in shared memory
             stage = step % STAGES
             if FORMAT == ROTATED:
                 terms = (0.0, 0.0)
@@ -1683,10 +1739,26 @@ def int4_pages_kernel_v2(
                 if SPARSE >= 2:
                     both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
                                               B_OP, KW4, SB4)
+                if STAGGERED:
+                    if c == PAGE // CHUNK - 1:  # every key tile of the page is read
+                        _copy_stream_keys(kw_s, ks_s, km_s, 0, following, following_live, kw_ptr, ks_ptr, km_ptr, PAGE, W, D, FORMAT)
+                        if STREAMS == 2:
+                            _copy_stream_keys(kw2_s, ks2_s, km2_s, 0, following, following_live, kw2_ptr, ks2_ptr, km2_ptr, PAGE, W, D, FORMAT)
+                        if SPARSE >= 1:
+                            _copy_rows(kw3_s, 0, following, following_live, kw3_ptr, R3, RP3, W)
+                        if SPARSE >= 2:
+                            _copy_rows(kw4_s, 0, following, following_live, kw4_ptr, R4, RP4, W)
+                        async_copy.commit_group()
                 scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
                 scores = _mask_chunk(scores, (first + step) * PAGE + c * CHUNK, tokens, current_live, packed_end, SINK,
                                      CHUNK)
                 weights, sums, acc, run_max = _chunk_weights(scores, sums, acc, run_max, TO_SCORES, CHUNK, MMA, LAZY)
+                if STAGGERED:
+                    if c == 0:  # this page's values have landed (the next page's keys may be in flight)
+                        if PAGE == CHUNK:
+                            async_copy.wait_group(1)
+                        else:
+                            async_copy.wait_group(0)
                 p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
                 acc = _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP,
                                   B_OP, VT, VS, FORMAT)
@@ -1699,6 +1771,16 @@ def int4_pages_kernel_v2(
                 if SPARSE >= 2:
                     acc = _add_sparse_values(acc, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
                                              B_OP, VT4, GB4, VA4)
+            if STAGGERED:  # every value tile of the page is read
+                _copy_stream_values(vw_s, vs_s, vm_s, 0, following, following_live, vw_ptr, vs_ptr, vm_ptr, PAGE, W, D, NG, FORMAT)
+                if STREAMS == 2:
+                    _copy_stream_values(vw2_s, vs2_s, vm2_s, 0, following, following_live, vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG,
+                                        FORMAT)
+                if SPARSE >= 1:
+                    _copy_rows(vw3_s, 0, following, following_live, vw3_ptr, R3, RP3, W)
+                if SPARSE >= 2:
+                    _copy_rows(vw4_s, 0, following, following_live, vw4_ptr, R4, RP4, W)
+                async_copy.commit_group()
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
 
