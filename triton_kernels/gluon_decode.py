@@ -728,13 +728,39 @@ def _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages):
 
 
 @gluon.jit
-def _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, stage, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
-                 vm_ptr, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr,
-                 FORMAT: gl.constexpr):
-    """cp.async every array of one stream's page tile ``tile`` into stage ``stage`` (nothing unless ``live``):
-    :func:`_copy_stream_keys` and :func:`_copy_stream_values`."""
-    _copy_stream_keys(kw_s, ks_s, km_s, stage, tile, live, kw_ptr, ks_ptr, km_ptr, PAGE, W, D, FORMAT)
-    _copy_stream_values(vw_s, vs_s, vm_s, stage, tile, live, vw_ptr, vs_ptr, vm_ptr, PAGE, W, D, NG, FORMAT)
+def _copy_page_keys(streams, stage, tile, live, STREAMS: gl.constexpr, SPARSE: gl.constexpr, R3: gl.constexpr,
+                    RP3: gl.constexpr, R4: gl.constexpr, RP4: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr,
+                    D: gl.constexpr, FORMAT: gl.constexpr):
+    """cp.async the key tiles of page ``tile`` of every stream the kernel reads (no commit).
+    ``streams``: (buffers, pointers) of the dense streams ``(kw, ks, km)`` and of the sparse loops' key rows."""
+    buffers, pointers = streams
+    _copy_stream_keys(buffers[0], buffers[1], buffers[2], stage, tile, live, pointers[0], pointers[1], pointers[2],
+                      PAGE, W, D, FORMAT)
+    if STREAMS == 2:
+        _copy_stream_keys(buffers[3], buffers[4], buffers[5], stage, tile, live, pointers[3], pointers[4],
+                          pointers[5], PAGE, W, D, FORMAT)
+    if SPARSE >= 1:
+        _copy_rows(buffers[6], stage, tile, live, pointers[6], R3, RP3, W)
+    if SPARSE >= 2:
+        _copy_rows(buffers[7], stage, tile, live, pointers[7], R4, RP4, W)
+
+
+@gluon.jit
+def _copy_page_values(streams, stage, tile, live, STREAMS: gl.constexpr, SPARSE: gl.constexpr, R3: gl.constexpr,
+                      RP3: gl.constexpr, R4: gl.constexpr, RP4: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr,
+                      D: gl.constexpr, NG: gl.constexpr, FORMAT: gl.constexpr):
+    """cp.async the value tiles of page ``tile`` of every stream the kernel reads (no commit;
+    ``streams`` as :func:`_copy_page_keys`' with ``(vw, vs, vm)``)."""
+    buffers, pointers = streams
+    _copy_stream_values(buffers[0], buffers[1], buffers[2], stage, tile, live, pointers[0], pointers[1],
+                        pointers[2], PAGE, W, D, NG, FORMAT)
+    if STREAMS == 2:
+        _copy_stream_values(buffers[3], buffers[4], buffers[5], stage, tile, live, pointers[3], pointers[4],
+                            pointers[5], PAGE, W, D, NG, FORMAT)
+    if SPARSE >= 1:
+        _copy_rows(buffers[6], stage, tile, live, pointers[6], R3, RP3, W)
+    if SPARSE >= 2:
+        _copy_rows(buffers[7], stage, tile, live, pointers[7], R4, RP4, W)
 
 
 @gluon.jit
@@ -1054,14 +1080,6 @@ def _sparse_buffers(STAGES: gl.constexpr, RP: gl.constexpr, W: gl.constexpr):
     kw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, RP, W], _plain_shared(2))
     vw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, RP, W], _value_shared(RP, W))
     return kw_s, vw_s
-
-
-@gluon.jit
-def _copy_sparse(kw_s, vw_s, stage, tile, live, kw_ptr, vw_ptr, R: gl.constexpr, RP: gl.constexpr,
-                 W: gl.constexpr):
-    """cp.async the ``R`` stored key and value rows of a sparse tile (rows ``R .. RP`` zero-filled)."""
-    _copy_rows(kw_s, stage, tile, live, kw_ptr, R, RP, W)
-    _copy_rows(vw_s, stage, tile, live, vw_ptr, R, RP, W)
 
 
 @gluon.jit
@@ -1537,6 +1555,18 @@ def int4_pages_kernel_v2(
         GB4: gl.constexpr = gl.to_linear_layout(B_OP, [CHUNK, RP4])
         VA4: gl.constexpr = _narrowed(gl.to_linear_layout(A_OP, [D, _product_k(RP4)]), 1, RP4)
 
+    # Every stream's tiles for the copy helpers (a chain's absent streams hold stand-ins, never copied).
+    if STREAMS == 1:
+        kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s = kw_s, vw_s, ks_s, km_s, vs_s, vm_s
+    if SPARSE < 1:
+        kw3_s, vw3_s = kw_s, vw_s
+    if SPARSE < 2:
+        kw4_s, vw4_s = kw_s, vw_s
+    key_tiles = ((kw_s, ks_s, km_s, kw2_s, ks2_s, km2_s, kw3_s, kw4_s),
+                 (kw_ptr, ks_ptr, km_ptr, kw2_ptr, ks2_ptr, km2_ptr, kw3_ptr, kw4_ptr))
+    value_tiles = ((vw_s, vs_s, vm_s, vw2_s, vs2_s, vm2_s, vw3_s, vw4_s),
+                   (vw_ptr, vs_ptr, vm_ptr, vw2_ptr, vs2_ptr, vm2_ptr, vw3_ptr, vw4_ptr))
+
     # The first page's block-table entry and the query are loaded beside the sequence's length, not
     # after it: the first page's copy then waits for one round trip, not two.
     first = split * pages_per_split
@@ -1573,34 +1603,14 @@ def int4_pages_kernel_v2(
             tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
         else:
             tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
-        _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, s, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr, vs_ptr,
-                     vm_ptr, PAGE, W, D, NG, FORMAT)
-        if STREAMS == 2:
-            _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, s, tile, live, kw2_ptr, ks2_ptr, km2_ptr,
-                         vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
-        if SPARSE >= 1:
-            _copy_sparse(kw3_s, vw3_s, s, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
-        if SPARSE >= 2:
-            _copy_sparse(kw4_s, vw4_s, s, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
+        _copy_page_keys(key_tiles, s, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, FORMAT)
+        _copy_page_values(value_tiles, s, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
         async_copy.commit_group()
     if STAGES == 1:  # the staggered loop below: a page's keys and its values as two copy groups
         tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
-        _copy_stream_keys(kw_s, ks_s, km_s, 0, tile, live, kw_ptr, ks_ptr, km_ptr, PAGE, W, D, FORMAT)
-        if STREAMS == 2:
-            _copy_stream_keys(kw2_s, ks2_s, km2_s, 0, tile, live, kw2_ptr, ks2_ptr, km2_ptr, PAGE, W, D, FORMAT)
-        if SPARSE >= 1:
-            _copy_rows(kw3_s, 0, tile, live, kw3_ptr, R3, RP3, W)
-        if SPARSE >= 2:
-            _copy_rows(kw4_s, 0, tile, live, kw4_ptr, R4, RP4, W)
+        _copy_page_keys(key_tiles, 0, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, FORMAT)
         async_copy.commit_group()
-        _copy_stream_values(vw_s, vs_s, vm_s, 0, tile, live, vw_ptr, vs_ptr, vm_ptr, PAGE, W, D, NG, FORMAT)
-        if STREAMS == 2:
-            _copy_stream_values(vw2_s, vs2_s, vm2_s, 0, tile, live, vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG,
-                                FORMAT)
-        if SPARSE >= 1:
-            _copy_rows(vw3_s, 0, tile, live, vw3_ptr, R3, RP3, W)
-        if SPARSE >= 2:
-            _copy_rows(vw4_s, 0, tile, live, vw4_ptr, R4, RP4, W)
+        _copy_page_values(value_tiles, 0, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
         async_copy.commit_group()
 
     B8: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -1637,8 +1647,9 @@ def int4_pages_kernel_v2(
         for step in range(count - 1):
             ahead = (step + STAGES - 1) % STAGES
             tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
-            _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, ahead, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr,
-                         vs_ptr, vm_ptr, PAGE, W, D, NG, FORMAT)
+            _copy_page_keys(key_tiles, ahead, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, FORMAT)
+            _copy_page_values(value_tiles, ahead, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                              FORMAT)
             async_copy.commit_group()
             current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
             scores = _mask_chunk(ahead_scores, (first + step) * PAGE, tokens, current_live, packed_end, SINK, PAGE)
@@ -1681,15 +1692,9 @@ def int4_pages_kernel_v2(
             else:
                 ahead = (step + STAGES - 1) % STAGES
                 tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
-                _copy_stream(kw_s, vw_s, ks_s, km_s, vs_s, vm_s, ahead, tile, live, kw_ptr, ks_ptr, km_ptr, vw_ptr,
-                             vs_ptr, vm_ptr, PAGE, W, D, NG, FORMAT)
-                if STREAMS == 2:
-                    _copy_stream(kw2_s, vw2_s, ks2_s, km2_s, vs2_s, vm2_s, ahead, tile, live, kw2_ptr, ks2_ptr,
-                                 km2_ptr, vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG, FORMAT)
-                if SPARSE >= 1:
-                    _copy_sparse(kw3_s, vw3_s, ahead, tile, live, kw3_ptr, vw3_ptr, R3, RP3, W)
-                if SPARSE >= 2:
-                    _copy_sparse(kw4_s, vw4_s, ahead, tile, live, kw4_ptr, vw4_ptr, R4, RP4, W)
+                _copy_page_keys(key_tiles, ahead, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, FORMAT)
+                _copy_page_values(value_tiles, ahead, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                                  FORMAT)
                 async_copy.commit_group()
             current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
             if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
@@ -1741,13 +1746,8 @@ def int4_pages_kernel_v2(
                                               B_OP, KW4, SB4)
                 if STAGGERED:
                     if c == PAGE // CHUNK - 1:  # every key tile of the page is read
-                        _copy_stream_keys(kw_s, ks_s, km_s, 0, following, following_live, kw_ptr, ks_ptr, km_ptr, PAGE, W, D, FORMAT)
-                        if STREAMS == 2:
-                            _copy_stream_keys(kw2_s, ks2_s, km2_s, 0, following, following_live, kw2_ptr, ks2_ptr, km2_ptr, PAGE, W, D, FORMAT)
-                        if SPARSE >= 1:
-                            _copy_rows(kw3_s, 0, following, following_live, kw3_ptr, R3, RP3, W)
-                        if SPARSE >= 2:
-                            _copy_rows(kw4_s, 0, following, following_live, kw4_ptr, R4, RP4, W)
+                        _copy_page_keys(key_tiles, 0, following, following_live, STREAMS, SPARSE, R3, RP3, R4, RP4,
+                                        PAGE, W, D, FORMAT)
                         async_copy.commit_group()
                 scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
                 scores = _mask_chunk(scores, (first + step) * PAGE + c * CHUNK, tokens, current_live, packed_end, SINK,
@@ -1772,14 +1772,8 @@ def int4_pages_kernel_v2(
                     acc = _add_sparse_values(acc, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
                                              B_OP, VT4, GB4, VA4)
             if STAGGERED:  # every value tile of the page is read
-                _copy_stream_values(vw_s, vs_s, vm_s, 0, following, following_live, vw_ptr, vs_ptr, vm_ptr, PAGE, W, D, NG, FORMAT)
-                if STREAMS == 2:
-                    _copy_stream_values(vw2_s, vs2_s, vm2_s, 0, following, following_live, vw2_ptr, vs2_ptr, vm2_ptr, PAGE, W, D, NG,
-                                        FORMAT)
-                if SPARSE >= 1:
-                    _copy_rows(vw3_s, 0, following, following_live, vw3_ptr, R3, RP3, W)
-                if SPARSE >= 2:
-                    _copy_rows(vw4_s, 0, following, following_live, vw4_ptr, R4, RP4, W)
+                _copy_page_values(value_tiles, 0, following, following_live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE,
+                                  W, D, NG, FORMAT)
                 async_copy.commit_group()
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
