@@ -51,17 +51,19 @@ def formulation(name, loop=0, pages_only=False):
         return bench.ours(loop, implementation=None)
     from jflashloop_triton_kernels import decode_attention as gluon
 
-    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-n<pages>][-r<maxnreg>][-k][-m|-mx|-mg][-M<regs>][-f|-x][-l][-o]:
+    # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-n<pages>][-r<maxnreg>][-k][-m|-mx|-mg][-M<regs>][-f|-x][-l][-o][-g]:
     # the pipelined kernel, fused windows, token chunk, target programs, least pages per split (the library's 8; twice that
     # where a wave stays full, launch.split_count; -n4 gives the split counts of that rule's absence),
     # register cap, kernel partials only (no merge), merge inside the kernel (-m), by XLA (-mx) or by the
     # Gluon merge kernel (-mg) instead of the library's default,
     # one float16 query (-f) or the precise float16 pair (-x) instead of the default, lazy rescaling (-l),
-    # the next page's scores before this page's softmax (-o), registers per round trip of the in-kernel merge (-M)
+    # the next page's scores before this page's softmax (-o), registers per round trip of the in-kernel merge (-M),
+    # one stage's keys and values copied as two groups (-g; -ng: the plain stage, whatever the library's default)
     stages, fused, chunk, partials, maxnreg, merge, precise = None, False, None, False, None, None, None
     programs = gluon_launch.TARGET_PROGRAMS
     lazy = merge_registers = None
     overlap = False  # a formulation overlaps pages only with -o (the library's default may)
+    stagger = None  # the library's default unless -g / -ng
     min_pages = gluon_launch.MIN_PAGES_PER_SPLIT  # the library's default
     if name.startswith("gluon2-s"):
         kernel = "pipelined"
@@ -82,6 +84,8 @@ def formulation(name, loop=0, pages_only=False):
                 merge = "xla"
             elif option == "mg":
                 merge = "gluon"
+            elif option == "ng":
+                stagger = False
             elif option.startswith("n"):
                 min_pages = int(option[1:])
             elif option == "f":
@@ -92,6 +96,8 @@ def formulation(name, loop=0, pages_only=False):
                 lazy = True
             elif option == "o":
                 overlap = True
+            elif option == "g":
+                stagger = True
             elif option.startswith("M"):
                 merge_registers = int(option[1:])
     elif name == "gluon":
@@ -113,7 +119,7 @@ def formulation(name, loop=0, pages_only=False):
             stages=stages, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
             min_pages_per_split=min_pages,
             partials_only=partials, maxnreg=maxnreg, merge=merge, precise=precise, lazy=lazy,
-            overlap=overlap, merge_registers=merge_registers)
+            overlap=overlap, merge_registers=merge_registers, stagger=stagger)
         return out if partials else unrotated_output(out, value_seed)
 
     return run

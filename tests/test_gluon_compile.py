@@ -56,6 +56,20 @@ def test_pipelined_kernel_reads_the_full_flashloop_chain():
     assert compile_check.ptxas_resources(ptx, "sm_90a")["registers"] <= 255
 
 
+def test_staggered_copies_need_no_more_shared_memory():
+    """One stage with a page's keys and values copied as two groups: the plain stage's shared memory,
+    registers within 255 without spills for the full FlashLoop chain (ptxas, sm_90a)."""
+    for streams, sparse in ((1, ()), (2, (16, 7))):
+        plain = compile_check.compile_pages_kernel("pipelined", streams=streams, sparse=sparse, stages=1)
+        staggered = compile_check.compile_pages_kernel("pipelined", streams=streams, sparse=sparse, stages=1,
+                                                       stagger=True)
+        assert staggered.metadata.shared == plain.metadata.shared
+        ptx = staggered.asm["ptx"]
+        assert _count(ptx, r"cp\.async\.commit_group") > _count(plain.asm["ptx"], r"cp\.async\.commit_group")
+        resources = compile_check.ptxas_resources(ptx, "sm_90a")
+        assert resources["registers"] <= 255 and resources["spill_stores"] == 0, resources
+
+
 @pytest.mark.parametrize("format", ["nvfp4", "int4_rotated"])
 def test_pipelined_kernel_compiles_for_other_formats(format):
     ptx = compile_check.compile_pages_kernel("pipelined", format=format).asm["ptx"]

@@ -51,7 +51,8 @@ VERSIONS = {1: dict(kernel="simple"), 2: dict(kernel="pipelined", fused_windows=
             5: dict(precise=False),  # one float16 query (the pairs are the default)
             6: dict(lazy=True),  # the running softmax state rescaled only when a maximum grows by > 2**8
             7: dict(stages=3, overlap=True),  # each page's scores made before the previous page's softmax
-            8: dict(stages=3)}
+            8: dict(stages=3),
+            9: dict(stages=1, stagger=True)}  # one stage, a page's keys and its values copied as two groups
 
 
 def gpu_only(*values):
@@ -67,7 +68,7 @@ def one_loop_config(head_dim, page_size, value_group=64, **overrides):
     return dataclasses.replace(base, loops=(loop,))
 
 
-def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None, version=3, loop=0):
+def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None, version=3, loop=0, options=None):
     from jflashloop_triton_kernels import decode_attention as gluon
 
     c = cache.config
@@ -78,7 +79,7 @@ def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None
         windows["sink_values"], windows["ring_keys"], windows["ring_values"], state=inputs["state"],
         limits=inputs["limits"], loops=inputs["loops"], page_size=c.page_size, sink_tokens=c.sink_tokens,
         window_loop=window_loop, scale=1 / math.sqrt(c.head_dim), splits=splits, emulate=EMULATE,
-        **VERSIONS[version])
+        **(VERSIONS[version] if options is None else options))
     return unrotated_output(output, value_seed)
 
 
@@ -91,6 +92,35 @@ def test_lazy_rescaling_matches_the_reference(rng):
     expected = jflashloop.decode_attention_reference(queries, cache, 1, 0, include_pending=False)
     errors = relative_errors(gluon_attention(queries, cache, 1, splits=2, version=6), expected)
     assert (errors < TOLERANCE).all(), errors
+
+
+@pytest.mark.parametrize("loops, format, page_size, chunk", [
+    (1, "int4", 16, None), (4, "int4", 64, None), (4, "int4", 64, 32), (2, "nvfp4", 32, None),
+    *gpu_only((1, "int4_rotated", 16, None), (2, "int4", 128, None), (4, "int4", 16, None))])
+def test_staggered_copies_give_the_same_bits(rng, loops, format, page_size, chunk):
+    """Copying a page's keys and its values as two groups (the next page's keys behind this page's
+    softmax and values) reorders copies, not arithmetic: the same bits as one plain stage for one loop,
+    dense and FlashLoop chains, whole pages and smaller chunks, one page per program, many and none; a
+    copy landing too early or too late in the emulation (synchronous copies) or on a GPU changes them."""
+    codec = {"int4": None, "nvfp4": (jflashloop.NVFP4,) * 2,
+             "int4_rotated": (jflashloop.int4_rotated(64, 3), jflashloop.int4_rotated(64, 4))}[format]
+    config = small_config(num_loops=loops, page_size=page_size, head_dim=64, max_pages_per_sequence=12,
+                          num_pages=48, max_sequences=4)
+    if codec is not None:
+        config = dataclasses.replace(config, loops=(LoopStorage(*codec),) * loops)
+    cache, _ = build(rng, config, prompt_lengths=[5 * page_size + 9, 3, 2 * page_size, page_size + 1], steps=2)
+    queries = jnp.asarray(rng.standard_normal((4, 8, 64)) * 3, jnp.float32)
+    loop = loops - 1
+    expected = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=True)
+    options = {} if chunk is None else {"chunk": chunk}
+    for splits in (1, 2, 9):
+        plain = np.asarray(gluon_attention(queries, cache, 0, include_pending=True, splits=splits, loop=loop,
+                                           options=dict(stages=1, stagger=False, **options)))
+        staggered = np.asarray(gluon_attention(queries, cache, 0, include_pending=True, splits=splits, loop=loop,
+                                               options=dict(stages=1, stagger=True, **options)))
+        assert_bits_equal(staggered, plain, f"{splits} splits")
+        errors = relative_errors(staggered, expected)
+        assert (errors < TOLERANCE).all(), (splits, errors)
 
 
 @pytest.mark.parametrize("format, page_size", [("int4", 16), ("int4", 64), ("nvfp4", 32), ("int4_rotated", 16)])

@@ -44,7 +44,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
                          streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = (),
                          merge: bool = False, precise: bool = True, group: int = 8, query: str = "*bf16",
                          row_blocks: int = 1, lazy: bool = False, overlap: bool = False, window: str = "*bf16",
-                         merge_registers: int | None = None):
+                         merge_registers: int | None = None, stagger: bool = False):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel.
 
     ``kernel``: ``"pipelined"`` or ``"simple"`` (Gluon, 1 warp) or
@@ -83,7 +83,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     outputs = OUTPUTS + (MERGE_OUTPUTS if pipelined else [])
     if pipelined:
         constants.update(MERGE=merge, GROUP=group, PRECISE=precise, QSCALE=0.12753, PENDING=1, CAPACITY=1 << 20,
-                         RECENT=64, RB=row_blocks, LAZY=lazy, OVERLAP=overlap,
+                         RECENT=64, RB=row_blocks, LAZY=lazy, OVERLAP=overlap, STAGGER=stagger,
                          MERGE_REGS=launch.MERGE_REGISTERS if merge_registers is None else merge_registers)
     heads = [query, "*i32", "*i32", "*i1"] if pipelined else POINTERS  # query, table, (lengths, active | bounds)
     types = heads + stream + windows + scalars + outputs + ["constexpr"] * len(constants)

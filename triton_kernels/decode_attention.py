@@ -113,7 +113,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   emulate: bool = False, merge_group: int | None = None, precise: bool = True,
                   query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0),
                   row_blocks: int = 1, lazy: bool = False, overlap: bool = False,
-                  merge_registers: int = launch.MERGE_REGISTERS):
+                  merge_registers: int = launch.MERGE_REGISTERS, stagger: bool = False):
     """Run the Gluon page kernel.
 
     Args:
@@ -143,6 +143,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
       merge_registers: registers a thread gives the in-kernel merge's partials
         per round trip (``launch.MERGE_REGISTERS``; 128 halves the round trips
         at head_dim 128).
+      stagger: with one stage (pipelined kernel), copy a page's keys and its
+        values as two groups, each behind the other half of a page's work.
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
       splits, 8], max [...])`` float32, natural channel order (program ``h *
@@ -215,7 +217,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         extra.update(MERGE=merge_group is not None, GROUP=group, PRECISE=precise,
                      QSCALE=1.0 if query_scale is None else float(query_scale),
                      PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]), RB=row_blocks,
-                     LAZY=lazy, OVERLAP=overlap, MERGE_REGS=merge_registers)
+                     LAZY=lazy, OVERLAP=overlap, MERGE_REGS=merge_registers, STAGGER=stagger)
     elif query_scale is not None:
         raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
@@ -260,7 +262,7 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
                                              "splits", "pages_only", "kernel", "stages",
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
                                              "partials_only", "maxnreg", "emulate", "merge", "precise",
-                                             "limits", "lazy", "overlap", "merge_registers"))
+                                             "limits", "lazy", "overlap", "merge_registers", "stagger"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, state=None, limits: tuple[int, int, int] | None = None,
                            loops, page_size: int, sink_tokens: int, window_loop: int,
@@ -270,7 +272,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            min_pages_per_split: int = launch.MIN_PAGES_PER_SPLIT,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
                            merge: str | None = None, precise: bool | None = None, lazy: bool | None = None,
-                           overlap: bool | None = None, merge_registers: int | None = None):
+                           overlap: bool | None = None, merge_registers: int | None = None,
+                           stagger: bool | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -312,6 +315,10 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       when ``stages`` is None.
     * ``merge_registers`` (in-kernel merge): registers a thread gives the
       partials per round trip; None: ``launch.MERGE_REGISTERS``.
+    * ``stagger`` (pipelined kernel, one stage): copy a page's keys and its
+      values as two groups, the next page's keys behind this page's softmax
+      and values, its values behind the next page's scores. None:
+      :data:`jflashloop_triton_kernels.launch.STAGGER` (off until timed on a GPU).
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -391,6 +398,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks, lazy=lazy,
         overlap=overlap, merge_registers=launch.MERGE_REGISTERS if merge_registers is None else merge_registers,
+        stagger=launch.STAGGER if stagger is None else stagger,
         **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]

@@ -660,6 +660,12 @@ _padded_sparse_rows = gluon.constexpr_function(launch.padded_sparse_rows)
 
 
 @gluon.constexpr_function
+def _staggered(stagger: bool, stages: int) -> bool:
+    """Whether the page loop copies keys and values as two groups (one stage only)."""
+    return bool(stagger) and stages == 1
+
+
+@gluon.constexpr_function
 def _product_k(rows: int) -> int:
     """The k of the products that take a sparse tile's rows on their k axis (m16n8k16: at least 16;
     a tile of 8 rows is padded with zeros in registers)."""
@@ -1471,7 +1477,7 @@ def int4_pages_kernel_v2(
     MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
     RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False, OVERLAP: gl.constexpr = False,
-    MERGE_REGS: gl.constexpr = MERGE_REGISTERS,
+    MERGE_REGS: gl.constexpr = MERGE_REGISTERS, STAGGER: gl.constexpr = False,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1497,7 +1503,11 @@ def int4_pages_kernel_v2(
     partials per round trip (:func:`_merge_slots`). ``OVERLAP`` (one dense stream, ``CHUNK == PAGE``,
     ``STAGES`` >= 3 to keep a page in flight) makes page ``step + 1``'s
     scores before page ``step``'s softmax, so that their products overlap
-    the softmax's dependent chain (one basic block per page).
+    the softmax's dependent chain (one basic block per page). ``STAGGER``
+    with one stage copies a page's keys and its values as two groups: the
+    next page's keys while this page's softmax and values are made, its
+    values while the next page's scores are (the same shared memory as one
+    plain stage, which waits for each page's whole copy before any work).
 
     The query ``q_ptr`` here is the caller's ``[S, H * GROUP, D]`` (float32,
     bfloat16 or float16, natural channel order, not padded): the kernel
@@ -1606,7 +1616,8 @@ def int4_pages_kernel_v2(
         _copy_page_keys(key_tiles, s, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, FORMAT)
         _copy_page_values(value_tiles, s, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
         async_copy.commit_group()
-    if STAGES == 1:  # the staggered loop below: a page's keys and its values as two copy groups
+    STAGGERED: gl.constexpr = _staggered(STAGGER, STAGES)
+    if STAGGERED:  # the staggered loop below: a page's keys and its values as two copy groups
         tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
         _copy_page_keys(key_tiles, 0, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, FORMAT)
         async_copy.commit_group()
@@ -1682,9 +1693,8 @@ def int4_pages_kernel_v2(
             acc = _add_values(acc, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, last % STAGES, 0, PAGE, PAGE,
                               W, D, NG, A_OP, B_OP, VT, VS, FORMAT)
     else:
-        # With one stage (STAGGERED) the next page's keys are copied once this page's scores are made, and its
+        # Staggered (one stage): the next page's keys are copied once this page's scores are made, and its
         # values once this page's values are used: each copy flies behind the other half of a page's work.
-        STAGGERED: gl.constexpr = STAGES == 1
         for step in range(count):
             if STAGGERED:
                 following, following_live = _page_tile(step + 1, count, first, seq, head, table_ptr, pool_pages,
