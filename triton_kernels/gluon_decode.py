@@ -734,17 +734,27 @@ def _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages):
 
 
 @gluon.jit
-def _copy_page_keys(streams, stage, tile, live, STREAMS: gl.constexpr, SPARSE: gl.constexpr, R3: gl.constexpr,
-                    RP3: gl.constexpr, R4: gl.constexpr, RP4: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr,
-                    D: gl.constexpr, FORMAT: gl.constexpr):
-    """cp.async the key tiles of page ``tile`` of every stream the kernel reads (no commit).
-    ``streams``: (buffers, pointers) of the dense streams ``(kw, ks, km)`` and of the sparse loops' key rows."""
+def _copy_page(streams, stage, tile, live, KEYS: gl.constexpr, STREAMS: gl.constexpr, SPARSE: gl.constexpr,
+               R3: gl.constexpr, RP3: gl.constexpr, R4: gl.constexpr, RP4: gl.constexpr, PAGE: gl.constexpr,
+               W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, FORMAT: gl.constexpr):
+    """cp.async the key (``KEYS``) or value tiles of page ``tile`` of every stream the kernel reads (no
+    commit). ``streams``: (buffers, pointers) of the dense streams' ``(words, scale, minimum)`` and of the
+    sparse loops' rows. Metadata per tile: INT4 key scale/min ``[D]`` and value scale/min ``[PAGE, NG]``
+    (float16), NVFP4 E4M3 scale bytes ``[PAGE, D/16]``, int4_rotated row scales ``[PAGE]`` (float32)."""
     buffers, pointers = streams
-    _copy_stream_keys(buffers[0], buffers[1], buffers[2], stage, tile, live, pointers[0], pointers[1], pointers[2],
-                      PAGE, W, D, FORMAT)
+    if FORMAT == ROTATED:
+        META: gl.constexpr = PAGE
+    elif FORMAT == NVFP4:
+        META: gl.constexpr = PAGE * (D // 16)
+    elif KEYS:
+        META: gl.constexpr = D
+    else:
+        META: gl.constexpr = PAGE * NG
+    _copy_tile(buffers[0], buffers[1], buffers[2], stage, tile, live, pointers[0], pointers[1], pointers[2], PAGE, W,
+               META, FORMAT)
     if STREAMS == 2:
-        _copy_stream_keys(buffers[3], buffers[4], buffers[5], stage, tile, live, pointers[3], pointers[4],
-                          pointers[5], PAGE, W, D, FORMAT)
+        _copy_tile(buffers[3], buffers[4], buffers[5], stage, tile, live, pointers[3], pointers[4], pointers[5],
+                   PAGE, W, META, FORMAT)
     if SPARSE >= 1:
         _copy_rows(buffers[6], stage, tile, live, pointers[6], R3, RP3, W)
     if SPARSE >= 2:
@@ -752,71 +762,20 @@ def _copy_page_keys(streams, stage, tile, live, STREAMS: gl.constexpr, SPARSE: g
 
 
 @gluon.jit
-def _copy_page_values(streams, stage, tile, live, STREAMS: gl.constexpr, SPARSE: gl.constexpr, R3: gl.constexpr,
-                      RP3: gl.constexpr, R4: gl.constexpr, RP4: gl.constexpr, PAGE: gl.constexpr, W: gl.constexpr,
-                      D: gl.constexpr, NG: gl.constexpr, FORMAT: gl.constexpr):
-    """cp.async the value tiles of page ``tile`` of every stream the kernel reads (no commit;
-    ``streams`` as :func:`_copy_page_keys`' with ``(vw, vs, vm)``)."""
-    buffers, pointers = streams
-    _copy_stream_values(buffers[0], buffers[1], buffers[2], stage, tile, live, pointers[0], pointers[1],
-                        pointers[2], PAGE, W, D, NG, FORMAT)
-    if STREAMS == 2:
-        _copy_stream_values(buffers[3], buffers[4], buffers[5], stage, tile, live, pointers[3], pointers[4],
-                            pointers[5], PAGE, W, D, NG, FORMAT)
-    if SPARSE >= 1:
-        _copy_rows(buffers[6], stage, tile, live, pointers[6], R3, RP3, W)
-    if SPARSE >= 2:
-        _copy_rows(buffers[7], stage, tile, live, pointers[7], R4, RP4, W)
-
-
-@gluon.jit
-def _page_words(kw_s, stage, tile, live, kw_ptr, PAGE: gl.constexpr, W: gl.constexpr):
-    """cp.async one page tile's words ``[PAGE, W]``."""
+def _copy_tile(w_s, s_s, m_s, stage, tile, live, w_ptr, s_ptr, m_ptr, PAGE: gl.constexpr, W: gl.constexpr,
+               META: gl.constexpr, FORMAT: gl.constexpr):
+    """cp.async one stream's key or value tile: its words ``[PAGE, W]`` and ``META`` elements of each
+    metadata array (INT4: scale and minimum; NVFP4 and int4_rotated: the scales)."""
     WORDS: gl.constexpr = _copy_layout(PAGE, W, 4)
     w_rows = gl.arange(0, PAGE, layout=gl.SliceLayout(1, WORDS))
     w_cols = gl.arange(0, W, layout=gl.SliceLayout(0, WORDS))
     w_offsets = gl.expand_dims(w_rows, 1) * W + gl.expand_dims(w_cols, 0)
-    async_copy.async_copy_global_to_shared(kw_s.index(stage), kw_ptr + tile * (PAGE * W) + w_offsets, mask=live)
-
-
-@gluon.jit
-def _copy_stream_keys(kw_s, ks_s, km_s, stage, tile, live, kw_ptr, ks_ptr, km_ptr, PAGE: gl.constexpr,
-                      W: gl.constexpr, D: gl.constexpr, FORMAT: gl.constexpr):
-    """cp.async one stream's key tile: words and INT4 key scale/min ``[D]`` (float16), NVFP4 E4M3 scale
-    bytes ``[PAGE, D/16]`` or int4_rotated row scales ``[PAGE]`` (float32)."""
-    _page_words(kw_s, stage, tile, live, kw_ptr, PAGE, W)
-    if FORMAT == ROTATED:
-        r_offsets = gl.arange(0, PAGE, layout=gl.BlockedLayout([4], [32], [1], [0]))
-        async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * PAGE + r_offsets, mask=live)
-    elif FORMAT == NVFP4:
-        b_offsets = gl.arange(0, PAGE * (D // 16), layout=gl.BlockedLayout([16], [32], [1], [0]))
-        async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * (PAGE * (D // 16)) + b_offsets,
-                                               mask=live)
-    else:
-        k_offsets = gl.arange(0, D, layout=gl.BlockedLayout([8], [32], [1], [0]))
-        async_copy.async_copy_global_to_shared(ks_s.index(stage), ks_ptr + tile * D + k_offsets, mask=live)
-        async_copy.async_copy_global_to_shared(km_s.index(stage), km_ptr + tile * D + k_offsets, mask=live)
-
-
-@gluon.jit
-def _copy_stream_values(vw_s, vs_s, vm_s, stage, tile, live, vw_ptr, vs_ptr, vm_ptr, PAGE: gl.constexpr,
-                        W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, FORMAT: gl.constexpr):
-    """cp.async one stream's value tile: words and INT4 value scale/min ``[PAGE, NG]`` (float16), NVFP4
-    E4M3 scale bytes ``[PAGE, D/16]`` or int4_rotated row scales ``[PAGE]`` (float32)."""
-    _page_words(vw_s, stage, tile, live, vw_ptr, PAGE, W)
-    if FORMAT == ROTATED:
-        r_offsets = gl.arange(0, PAGE, layout=gl.BlockedLayout([4], [32], [1], [0]))
-        async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * PAGE + r_offsets, mask=live)
-    elif FORMAT == NVFP4:
-        b_offsets = gl.arange(0, PAGE * (D // 16), layout=gl.BlockedLayout([16], [32], [1], [0]))
-        async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * (PAGE * (D // 16)) + b_offsets,
-                                               mask=live)
-    else:
-        v_offsets = gl.arange(0, PAGE * NG, layout=gl.BlockedLayout([8], [32], [1], [0]))
-        async_copy.async_copy_global_to_shared(vs_s.index(stage), vs_ptr + tile * (PAGE * NG) + v_offsets,
-                                               mask=live)
-        async_copy.async_copy_global_to_shared(vm_s.index(stage), vm_ptr + tile * (PAGE * NG) + v_offsets,
-                                               mask=live)
+    async_copy.async_copy_global_to_shared(w_s.index(stage), w_ptr + tile * (PAGE * W) + w_offsets, mask=live)
+    VECTOR: gl.constexpr = 4 if FORMAT == ROTATED else (16 if FORMAT == NVFP4 else 8)  # 16 bytes a thread
+    offsets = gl.arange(0, META, layout=gl.BlockedLayout([VECTOR], [32], [1], [0]))
+    async_copy.async_copy_global_to_shared(s_s.index(stage), s_ptr + tile * META + offsets, mask=live)
+    if FORMAT == INT4:
+        async_copy.async_copy_global_to_shared(m_s.index(stage), m_ptr + tile * META + offsets, mask=live)
 
 
 @gluon.jit
@@ -1613,15 +1572,15 @@ def int4_pages_kernel_v2(
             tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
         else:
             tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
-        _copy_page_keys(key_tiles, s, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, FORMAT)
-        _copy_page_values(value_tiles, s, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
+        _copy_page(key_tiles, s, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
+        _copy_page(value_tiles, s, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
         async_copy.commit_group()
     STAGGERED: gl.constexpr = _staggered(STAGGER, STAGES)
     if STAGGERED:  # the staggered loop below: a page's keys and its values as two copy groups
         tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
-        _copy_page_keys(key_tiles, 0, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, FORMAT)
+        _copy_page(key_tiles, 0, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
         async_copy.commit_group()
-        _copy_page_values(value_tiles, 0, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
+        _copy_page(value_tiles, 0, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
         async_copy.commit_group()
 
     B8: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -1658,9 +1617,9 @@ def int4_pages_kernel_v2(
         for step in range(count - 1):
             ahead = (step + STAGES - 1) % STAGES
             tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
-            _copy_page_keys(key_tiles, ahead, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, FORMAT)
-            _copy_page_values(value_tiles, ahead, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                              FORMAT)
+            _copy_page(key_tiles, ahead, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
+            _copy_page(value_tiles, ahead, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                       FORMAT)
             async_copy.commit_group()
             current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
             scores = _mask_chunk(ahead_scores, (first + step) * PAGE, tokens, current_live, packed_end, SINK, PAGE)
@@ -1702,9 +1661,10 @@ def int4_pages_kernel_v2(
             else:
                 ahead = (step + STAGES - 1) % STAGES
                 tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
-                _copy_page_keys(key_tiles, ahead, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, FORMAT)
-                _copy_page_values(value_tiles, ahead, tile, live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                                  FORMAT)
+                _copy_page(key_tiles, ahead, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                           FORMAT)
+                _copy_page(value_tiles, ahead, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                           FORMAT)
                 async_copy.commit_group()
             current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
             if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
@@ -1756,8 +1716,8 @@ def int4_pages_kernel_v2(
                                               B_OP, KW4, SB4)
                 if STAGGERED:
                     if c == PAGE // CHUNK - 1:  # every key tile of the page is read
-                        _copy_page_keys(key_tiles, 0, following, following_live, STREAMS, SPARSE, R3, RP3, R4, RP4,
-                                        PAGE, W, D, FORMAT)
+                        _copy_page(key_tiles, 0, following, following_live, True, STREAMS, SPARSE, R3, RP3, R4, RP4,
+                                   PAGE, W, D, NG, FORMAT)
                         async_copy.commit_group()
                 scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
                 scores = _mask_chunk(scores, (first + step) * PAGE + c * CHUNK, tokens, current_live, packed_end, SINK,
@@ -1782,8 +1742,8 @@ def int4_pages_kernel_v2(
                     acc = _add_sparse_values(acc, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
                                              B_OP, VT4, GB4, VA4)
             if STAGGERED:  # every value tile of the page is read
-                _copy_page_values(value_tiles, 0, following, following_live, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE,
-                                  W, D, NG, FORMAT)
+                _copy_page(value_tiles, 0, following, following_live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE,
+                           W, D, NG, FORMAT)
                 async_copy.commit_group()
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
