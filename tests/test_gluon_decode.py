@@ -193,6 +193,14 @@ def test_overlap_refuses_chains():
         gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0, loop=1, version=7)
 
 
+def test_stagger_refuses_more_than_one_stage():
+    """The staggered copies split one stage's copy; with more stages there is nothing to split."""
+    config = one_loop_config(64, 16, num_kv_heads=1, max_pages_per_sequence=4, num_pages=8)
+    cache, _ = build(np.random.default_rng(0), config, prompt_lengths=[40], steps=1)
+    with pytest.raises(ValueError, match="one stage"):
+        gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0, options=dict(stages=2, stagger=True))
+
+
 def test_merge_registers_must_be_positive():
     config = one_loop_config(64, 16, num_kv_heads=1, max_pages_per_sequence=4, num_pages=8)
     cache, _ = build(np.random.default_rng(0), config, prompt_lengths=[40], steps=1)

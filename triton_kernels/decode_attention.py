@@ -185,6 +185,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
     if overlap and (stages is None or stages < 2 or residual is not None or sparse or (chunk or page_size) != page_size):
         raise ValueError("overlap needs the pipelined kernel with 2 or more stages, one dense stream and "
                          "whole-page chunks")
+    if stagger and stages != 1:
+        raise ValueError(f"stagger needs the pipelined kernel with one stage, got stages={stages}")
     if stages is not None:  # the pipelined kernel: the sequence state, not the bounds
         if state is None:
             raise ValueError("the pipelined kernel reads the sequence state (lengths, active)")
@@ -318,7 +320,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     * ``stagger`` (pipelined kernel, one stage): copy a page's keys and its
       values as two groups, the next page's keys behind this page's softmax
       and values, its values behind the next page's scores. None:
-      :data:`jflashloop_triton_kernels.launch.STAGGER` (off until timed on a GPU).
+      :data:`jflashloop_triton_kernels.launch.STAGGER` where one stage is used (off until
+      timed on a GPU).
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -398,7 +401,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         stages=stages if pipelined else None, windows=windows, chunk=chunk, maxnreg=maxnreg, emulate=emulate,
         query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks, lazy=lazy,
         overlap=overlap, merge_registers=launch.MERGE_REGISTERS if merge_registers is None else merge_registers,
-        stagger=launch.STAGGER if stagger is None else stagger,
+        stagger=(launch.STAGGER and pipelined and stages == 1) if stagger is None else stagger,
         **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]
