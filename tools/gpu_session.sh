@@ -78,8 +78,10 @@ for stage in "$@"; do
     train) run_stage train 420 python3 bench/train_ouro.py --out "$OUT/ouro_tiny.npz" ;;
     demo) run_stage demo 200 python3 -m jflashloop demo ;;
     e2e) run_stage e2e "${E2E_LIMIT:-540}" env XLA_PYTHON_CLIENT_MEM_FRACTION="${E2E_MEM_FRACTION:-0.94}" \
-             python3 bench/end_to_end.py --out "$OUT/E2E.md" --plot "$OUT/e2e.png" --trace "$OUT/trace" \
-             --time-budget "${E2E_BUDGET:-360}" ${E2E_ARGS:-} ;;
+             python3 bench/end_to_end.py --out "$OUT/E2E.md" --plot "$OUT/e2e.png" --trace /tmp/e2e-trace \
+             --time-budget "${E2E_BUDGET:-360}" ${E2E_ARGS:-}
+         # the trace as one file: its many files would crowd the logs out of what a call returns
+         [ -d /tmp/e2e-trace ] && tar czf "$OUT/e2e-trace.tgz" -C /tmp e2e-trace && rm -rf /tmp/e2e-trace ;;
     *) summary+=("unknown stage $stage") ;;
   esac
 done
