@@ -666,6 +666,12 @@ def _staggered(stagger: bool, stages: int) -> bool:
 
 
 @gluon.constexpr_function
+def _prologue_pages(stagger: bool, stages: int) -> int:
+    """Pages the page loop copies before it starts: ``stages - 1``, or the first page when staggered."""
+    return 1 if _staggered(stagger, stages) else stages - 1
+
+
+@gluon.constexpr_function
 def _product_k(rows: int) -> int:
     """The k of the products that take a sparse tile's rows on their k axis (m16n8k16: at least 16;
     a tile of 8 rows is padded with zeros in registers)."""
@@ -1567,20 +1573,18 @@ def int4_pages_kernel_v2(
     packed_end = gl.maximum(gl.minimum(visible - RECENT, (length // PAGE) * PAGE), 0)
     packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
     count = gl.minimum(gl.maximum(packed_pages - first, 0), pages_per_split)
-    for s in gl.static_range(STAGES - 1):
+    # Pages copied before the loop: STAGES - 1 ahead; staggered (one stage), the first page, its keys
+    # and its values as two copy groups.
+    STAGGERED: gl.constexpr = _staggered(STAGGER, STAGES)
+    for s in gl.static_range(_prologue_pages(STAGGER, STAGES)):
         if s == 0:
             tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
         else:
             tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
         _copy_page(key_tiles, s, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
+        if STAGGERED:
+            async_copy.commit_group()
         _copy_page(value_tiles, s, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
-        async_copy.commit_group()
-    STAGGERED: gl.constexpr = _staggered(STAGGER, STAGES)
-    if STAGGERED:  # the staggered loop below: a page's keys and its values as two copy groups
-        tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
-        _copy_page(key_tiles, 0, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
-        async_copy.commit_group()
-        _copy_page(value_tiles, 0, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
         async_copy.commit_group()
 
     B8: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
