@@ -96,7 +96,7 @@ def test_lazy_rescaling_matches_the_reference(rng):
 
 @pytest.mark.parametrize("loops, format, page_size, chunk", [
     (1, "int4", 16, None), (4, "int4", 64, None), (4, "int4", 64, 32), (2, "nvfp4", 32, None),
-    *gpu_only((1, "int4_rotated", 16, None), (2, "int4", 128, None), (4, "int4", 16, None))])
+    *gpu_only((1, "int4_rotated", 16, None), (2, "int4", 32, None), (4, "int4", 16, None))])
 def test_staggered_copies_give_the_same_bits(rng, loops, format, page_size, chunk):
     """Copying a page's keys and its values as two groups (the next page's keys behind this page's
     softmax and values) reorders copies, not arithmetic: the same bits as one plain stage for one loop,

@@ -320,8 +320,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     * ``stagger`` (pipelined kernel, one stage): copy a page's keys and its
       values as two groups, the next page's keys behind this page's softmax
       and values, its values behind the next page's scores. None:
-      :data:`jflashloop_triton_kernels.launch.STAGGER` where one stage is used (off until
-      timed on a GPU).
+      :data:`jflashloop_triton_kernels.launch.STAGGER` (on) where one stage is used
+      (the chains' default; faster on an H200: ``bench/RESULTS.md``).
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the

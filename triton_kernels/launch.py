@@ -33,7 +33,7 @@ MERGE_REGISTERS = 64  # registers a thread gives the in-kernel merge's partials 
 OVERLAP_HEAD_DIMS = (256,)  # INT4, one stream: the next page's scores before this page's softmax by default,
 OVERLAP_PAGE_SIZES = (64,)  # at these page sizes (measured there; ptxas spills more with it at 128 tokens)
 OVERLAP_STAGES = 3  # the overlapped loop keeps a page in flight besides the two it works on
-STAGGER = False  # one stage: keys and values as two copy groups (gluon_decode; not yet timed on a GPU)
+STAGGER = True  # one stage (chains): keys and values as two copy groups (gluon_decode; bench/KERNEL_NOTES.md)
 
 
 def padded_sparse_rows(rows: int) -> int:
