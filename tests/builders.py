@@ -158,17 +158,20 @@ _append = jax.jit(paged_cache.append, donate_argnums=0)
 _append_kept = jax.jit(paged_cache.append)  # no donation: the input cache is compared afterwards
 
 
-def build(rng, config, prompt_lengths, steps, *, padded_tokens=None):
+def build(rng, config, prompt_lengths, steps, *, padded_tokens=None, value_scale=1.0):
+    """A cache with prompts of ``prompt_lengths`` prefilled and ``steps`` tokens appended to every
+    sequence (random looped K/V, values times ``value_scale``): ``(cache, history)``."""
     cache = paged_cache.create(config)
     history = History(config, max(prompt_lengths) + steps + 1)
     padded_tokens = padded_tokens or max(prompt_lengths)
     for slot, length in enumerate(prompt_lengths):
         keys, values = looped_tokens(rng, config, padded_tokens)
+        values = values * value_scale
         cache = _prefill(cache, slot, keys, values, length)
         history.prefill(slot, keys, values, length)
     for _ in range(steps):
         keys, values = looped_tokens(rng, config, 1, batch=config.max_sequences)
-        keys, values = keys[:, :, :, 0], values[:, :, :, 0]
+        keys, values = keys[:, :, :, 0], values[:, :, :, 0] * value_scale
         active = np.asarray(cache.active)
         cache = _append(cache, keys, values)
         history.append(keys, values, active)

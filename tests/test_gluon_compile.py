@@ -70,6 +70,21 @@ def test_staggered_copies_need_no_more_shared_memory():
         assert resources["registers"] <= 255 and resources["spill_stores"] == 0, resources
 
 
+@pytest.mark.parametrize("streams, sparse", [(1, ()), (2, (16, 7))])
+def test_scaled_values_drop_the_value_decode(streams, sparse):
+    """INT4 values as subnormal codes against probabilities times their scales (head_dim 128, a GQA group
+    of 4): the layouts hold, the same shared memory, registers within 255, and no float16 multiply-add
+    decodes a value pair (the loop's only ones left are the sparse keys')."""
+    options = dict(group=4, streams=streams, sparse=sparse, stages=2 if streams == 1 else 1)
+    plain = compile_check.compile_pages_kernel("pipelined", scaled=False, **options)
+    scaled = compile_check.compile_pages_kernel("pipelined", scaled=True, **options)
+    assert scaled.metadata.shared == plain.metadata.shared
+    fmas = [_count(k.asm["ptx"], r"fma\.rn\.f16x2") for k in (plain, scaled)]
+    assert fmas[1] < fmas[0] / 2, fmas
+    assert _count(scaled.asm["ptx"], r"st\.shared") == 0
+    assert compile_check.ptxas_resources(scaled.asm["ptx"], "sm_90a")["registers"] <= 255
+
+
 @pytest.mark.parametrize("format", ["nvfp4", "int4_rotated"])
 def test_pipelined_kernel_compiles_for_other_formats(format):
     ptx = compile_check.compile_pages_kernel("pipelined", format=format).asm["ptx"]

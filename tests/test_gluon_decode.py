@@ -201,6 +201,36 @@ def test_stagger_refuses_more_than_one_stage():
         gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0, options=dict(stages=2, stagger=True))
 
 
+@pytest.mark.parametrize("head_dim, group, loops, value_scale", [
+    (128, 4, 1, 1e-3), (64, 8, 1, 1.0), (64, 2, 4, 1.0), *gpu_only((128, 4, 1, 1.0), (256, 2, 2, 1.0))])
+def test_values_scaled_on_the_probabilities(rng, head_dim, group, loops, value_scale):
+    """INT4 value codes as float16 subnormals against probabilities times the value scales (the default
+    where the GQA group leaves a block of columns per value group): within the reference's tolerance,
+    like the codes decoded in registers, and not the same bits (the path switch changes the arithmetic).
+    Small values (``value_scale`` 1e-3) put many scaled probabilities below float16's normal range."""
+    config = small_config(num_loops=loops, page_size=16, head_dim=head_dim, max_pages_per_sequence=40,
+                          num_pages=128, num_kv_heads=2)
+    cache, _ = build(rng, config, prompt_lengths=[300, 7, 40], steps=2, value_scale=value_scale)
+    queries = jnp.asarray(rng.standard_normal((3, 2 * group, head_dim)) * 2, jnp.float32)
+    loop = loops - 1
+    expected = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=True)
+    results = {}
+    for scaled in (True, False):
+        results[scaled] = np.asarray(gluon_attention(queries, cache, 0, include_pending=True, splits=3, loop=loop,
+                                                     options=dict(scaled_values=scaled)))
+        errors = relative_errors(results[scaled], expected)
+        assert (errors < TOLERANCE).all(), (scaled, errors)
+    assert not np.array_equal(results[True], results[False])
+
+
+def test_scaled_values_refuse_what_they_cannot_read():
+    """More query rows than a value group's block of columns (8 at head_dim 128 with groups of 64)."""
+    config = one_loop_config(128, 16, num_kv_heads=1, max_pages_per_sequence=4, num_pages=8)
+    cache, _ = build(np.random.default_rng(0), config, prompt_lengths=[40], steps=1)
+    with pytest.raises(ValueError, match="scaled values need"):
+        gluon_attention(jnp.ones((1, 8, 128), jnp.float32), cache, 0, options=dict(scaled_values=True))
+
+
 def test_merge_registers_must_be_positive():
     config = one_loop_config(64, 16, num_kv_heads=1, max_pages_per_sequence=4, num_pages=8)
     cache, _ = build(np.random.default_rng(0), config, prompt_lengths=[40], steps=1)

@@ -113,7 +113,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   emulate: bool = False, merge_group: int | None = None, precise: bool = True,
                   query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0),
                   row_blocks: int = 1, lazy: bool = False, overlap: bool = False,
-                  merge_registers: int = launch.MERGE_REGISTERS, stagger: bool = False):
+                  merge_registers: int = launch.MERGE_REGISTERS, stagger: bool = False,
+                  scaled: bool | None = None):
     """Run the Gluon page kernel.
 
     Args:
@@ -145,6 +146,9 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         at head_dim 128).
       stagger: with one stage (pipelined kernel), copy a page's keys and its
         values as two groups, each behind the other half of a page's work.
+      scaled: INT4 values as subnormal codes, their scales and minimums on the
+        probabilities (pipelined kernel); None: wherever
+        :func:`jflashloop_triton_kernels.launch.scaled_values` allows it.
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
       splits, 8], max [...])`` float32, natural channel order (program ``h *
@@ -187,6 +191,14 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                          "whole-page chunks")
     if stagger and stages != 1:
         raise ValueError(f"stagger needs the pipelined kernel with one stage, got stages={stages}")
+    can_scale = stages is not None and launch.scaled_values(
+        format=("int4", "nvfp4", "int4_rotated")[stream_format], head_dim=head_dim, value_group=value_group,
+        group=group, row_blocks=row_blocks, lazy=lazy)
+    if scaled is None:
+        scaled = can_scale
+    elif scaled and not can_scale:
+        raise ValueError("scaled values need the pipelined kernel, INT4 streams, at most 8 / (head_dim / "
+                         "value_group) query rows, one row block and no lazy rescaling")
     if stages is not None:  # the pipelined kernel: the sequence state, not the bounds
         if state is None:
             raise ValueError("the pipelined kernel reads the sequence state (lengths, active)")
@@ -219,7 +231,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         extra.update(MERGE=merge_group is not None, GROUP=group, PRECISE=precise,
                      QSCALE=1.0 if query_scale is None else float(query_scale),
                      PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]), RB=row_blocks,
-                     LAZY=lazy, OVERLAP=overlap, MERGE_REGS=merge_registers, STAGGER=stagger)
+                     LAZY=lazy, OVERLAP=overlap, MERGE_REGS=merge_registers, STAGGER=stagger,
+                     SCALED=scaled)
     elif query_scale is not None:
         raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
@@ -264,7 +277,8 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
                                              "splits", "pages_only", "kernel", "stages",
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
                                              "partials_only", "maxnreg", "emulate", "merge", "precise",
-                                             "limits", "lazy", "overlap", "merge_registers", "stagger"))
+                                             "limits", "lazy", "overlap", "merge_registers", "stagger",
+                                             "scaled_values"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, state=None, limits: tuple[int, int, int] | None = None,
                            loops, page_size: int, sink_tokens: int, window_loop: int,
@@ -275,7 +289,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
                            merge: str | None = None, precise: bool | None = None, lazy: bool | None = None,
                            overlap: bool | None = None, merge_registers: int | None = None,
-                           stagger: bool | None = None):
+                           stagger: bool | None = None, scaled_values: bool | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -322,6 +336,10 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       and values, its values behind the next page's scores. None:
       :data:`jflashloop_triton_kernels.launch.STAGGER` (on) where one stage is used
       (the chains' default; faster on an H200: ``bench/RESULTS.md``).
+    * ``scaled_values`` (pipelined kernel, INT4): the value codes enter the
+      products as float16 subnormals, their scales and minimums join the
+      probabilities. None: wherever
+      :func:`jflashloop_triton_kernels.launch.scaled_values` allows it.
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -402,6 +420,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks, lazy=lazy,
         overlap=overlap, merge_registers=launch.MERGE_REGISTERS if merge_registers is None else merge_registers,
         stagger=(launch.STAGGER and pipelined and stages == 1) if stagger is None else stagger,
+        scaled=scaled_values,
         **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]

@@ -109,6 +109,9 @@ class Shared:
     def reshape(self, shape):
         return Shared(self.array.reshape(shape))
 
+    def permute(self, order):
+        return Shared(self.array.transpose(order))
+
     def load(self, layout=None):
         return _t(self.array.copy())
 
@@ -136,6 +139,16 @@ def _fp16_fma(a, b, c):
 def _nibbles(words) -> list[np.ndarray]:
     words = np.asarray(words).astype(np.uint32)
     return [((words >> np.uint32(4 * i)) & np.uint32(15)).astype(np.float16) for i in range(8)]
+
+
+def _value_codes(even, odd):  # nibble i of each token, its bits in place: code * 2**-24 (x 16 for odd i)
+    out = []
+    for i in range(8):
+        shift = np.uint32(4 * i - 4 * (i % 2))  # to bits 0-3, or 4-7 for odd nibbles
+        mask = np.uint32(0xF << (4 * (i % 2)))
+        for words in (even, odd):
+            out.append(_t(((np.asarray(words).astype(np.uint32) >> shift) & mask).astype(np.uint16).view(np.float16)))
+    return tuple(out)
 
 
 def _key_codes(words):
@@ -217,6 +230,7 @@ def _asm_table():
         gluon_decode._GATHER_ONE_HOT_ASM.value: lambda a, b: _one_hot_pairs(a, b, 0x3C00),  # 1.0
         gluon_decode._VALUE_PAIR_ASM.value: _value_pairs,
         gluon_decode._VALUE_PAIR_ASM_V2.value: _value_pairs,
+        gluon_decode._VALUE_CODES_ASM.value: _value_codes,
         gluon_decode._E2M1_KEY_ASM.value: _e2m1_keys,
         gluon_decode._E2M1_VALUE_PAIR_ASM.value: _e2m1_value_pairs,
     }

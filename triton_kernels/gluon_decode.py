@@ -219,13 +219,17 @@ def _top_rows(s, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _rescale(sums, acc, run_max, row_max, MMA: gl.constexpr):
-    """The online softmax's running state moved to ``max(run_max, row_max)``: (sums, acc, run_max)."""
+def _rescale(sums, mins, acc, run_max, row_max, MMA: gl.constexpr, SCALED: gl.constexpr):
+    """The online softmax's running state moved to ``max(run_max, row_max)``: (sums, mins, acc, run_max)
+    (``mins``, like ``sums``, only where the probabilities carry the value scales: ``SCALED``)."""
     new_max = gl.maximum(run_max, row_max)
     correction = gl.exp2(run_max - new_max)
-    sums = sums * gl.expand_dims(gl.convert_layout(correction, gl.SliceLayout(1, sums.type.layout)), 1)
+    sums_correction = gl.expand_dims(gl.convert_layout(correction, gl.SliceLayout(1, sums.type.layout)), 1)
+    sums = sums * sums_correction
+    if SCALED:
+        mins = mins * sums_correction
     acc = acc * gl.expand_dims(gl.convert_layout(correction, gl.SliceLayout(0, MMA)), 0)
-    return sums, acc, new_max
+    return sums, mins, acc, new_max
 
 
 @gluon.jit
@@ -278,23 +282,26 @@ def _mask_chunk(scores, start_token, tokens, live, packed_end, SINK: gl.constexp
 
 
 @gluon.jit
-def _chunk_weights(scores, sums, acc, run_max, TO_SCORES: gl.constexpr, CHUNK: gl.constexpr,
-                   MMA: gl.constexpr, LAZY: gl.constexpr):
+def _chunk_weights(scores, sums, mins, acc, run_max, TO_SCORES: gl.constexpr, CHUNK: gl.constexpr,
+                   MMA: gl.constexpr, LAZY: gl.constexpr, SCALED: gl.constexpr):
     """One chunk's online softmax: ``scores [8, CHUNK]`` (x ``TO_SCORES``, base-2 logits) ->
-    (weights float32 ``[8, CHUNK]``, sums, acc, run_max) with the running state moved to the
-    new maximum. ``LAZY``: the running maximum moves only when a row's maximum grows by more
+    (weights float32 ``[8, CHUNK]``, sums, mins, acc, run_max) with the running state moved to the
+    new maximum (``SCALED``: weights, sums and mins x ``2**SCALED_HEADROOM_LOG2``). ``LAZY``: the running maximum moves only when a row's maximum grows by more
     than ``RESCALE_LOG2`` (weights then stay below ``2**RESCALE_LOG2``; sums, outputs and the
     partials' maximum all refer to the same running maximum, so the result is the same up to
     rounding)."""
     row_max = gl.max(scores, axis=1) * TO_SCORES
     if LAZY:
         if gl.max(row_max - run_max, axis=0) > RESCALE_LOG2:
-            sums, acc, run_max = _rescale(sums, acc, run_max, row_max, MMA)
+            sums, mins, acc, run_max = _rescale(sums, mins, acc, run_max, row_max, MMA, SCALED)
     else:
-        sums, acc, run_max = _rescale(sums, acc, run_max, row_max, MMA)
-    weights = gl.exp2(scores * TO_SCORES - gl.expand_dims(run_max, 1))
+        sums, mins, acc, run_max = _rescale(sums, mins, acc, run_max, row_max, MMA, SCALED)
+    if SCALED:  # x 2**SCALED_HEADROOM_LOG2 (restored after the page loop)
+        weights = gl.exp2(scores * TO_SCORES - gl.expand_dims(run_max - SCALED_HEADROOM_LOG2, 1))
+    else:
+        weights = gl.exp2(scores * TO_SCORES - gl.expand_dims(run_max, 1))
     sums = sums + _lane_sums(weights, CHUNK)
-    return weights, sums, acc, run_max
+    return weights, sums, mins, acc, run_max
 
 
 @gluon.jit
@@ -456,6 +463,27 @@ def _value_pair_asm_v2() -> str:
 
 
 _VALUE_PAIR_ASM_V2 = gl.constexpr(_value_pair_asm_v2())
+
+
+def _value_codes_asm() -> str:
+    """Two tokens' words -> 8 float16 pairs (nibble ``i`` of each token) as subnormal codes: the
+    nibbles masked in place, ``code * 2**-24`` for even ``i``, ``16 code * 2**-24`` for odd ``i``
+    (:func:`_codes_to_values` restores the units; the scales and minimums join the probabilities)."""
+    lines = ["{", ".reg .b32 x, y, t, a;", "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;"]
+    for nibble in range(8):
+        source = "x" if nibble < 4 else "y"
+        local = nibble % 4
+        if local == 2:
+            lines.append(f"shr.u32 t, {source}, 8;")
+        if local >= 2:
+            source = "t"
+        mask = "0x000F000F" if local % 2 == 0 else "0x00F000F0"
+        lines += [f"and.b32 a, {source}, {mask};", f"mov.b32 {{${2 * nibble}, ${2 * nibble + 1}}}, a;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_VALUE_CODES_ASM = gl.constexpr(_value_codes_asm())
 
 # NVFP4: an E2M1 nibble pair (at bits 0-3 and 16-19, sign in bit 3) placed as
 # float16 bits is the value / 2**14 (0.5 as the subnormal 2**-15); x the E4M3
@@ -657,6 +685,12 @@ def _value_shared(page: int, words: int):
 
 
 _padded_sparse_rows = gluon.constexpr_function(launch.padded_sparse_rows)
+
+
+@gluon.constexpr_function
+def _query_columns(scaled: bool, groups: int) -> int:
+    """Columns of a value product per value group: ``8 / NG`` with ``SCALED``, else all 8."""
+    return 8 // groups if scaled else 8
 
 
 @gluon.constexpr_function
@@ -1045,6 +1079,59 @@ def _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6,
     return gl.convert_layout(gl.reshape(x, [D, PAGE]), A_LAYOUT, assert_trivial=True)
 
 
+# Values as subnormal codes, their scales and minimums on the probabilities (``SCALED``). A value is
+# ``scale * code + min`` with one (scale, min) per token and group of ``GV`` channels. The product
+# ``V^T [D, K] . P^T [K, 8]`` takes its tokens on k, so a scale can join the probabilities only where a
+# product's rows share a group: the 8 columns (query rows) are cut into ``NG`` blocks of ``GP = 8 / NG``,
+# block ``g`` holding the probabilities times group ``g``'s scales (the query's rows are repeated in each
+# block: the GQA group has at most ``GP`` rows). Each row of the accumulator keeps the block of its
+# channel's group; the minimums' terms ``sum_t p_t min_{t,g}`` are per-thread sums beside the softmax's
+# (``mins``), added per column after the page loop. The codes enter the product as float16 subnormals,
+# one ``and`` per pair (``_VALUE_CODES_ASM``), their units restored per row after the loop.
+# Precision: each ``p * scale`` is rounded to float16 once. The probabilities are at most 1 (no lazy
+# rescaling) and a value scale at most 8734 (a float16 minimum and scale bound a group's values to
+# +-65504), so ``p * scale * 2**2`` cannot overflow: the probabilities carry that factor
+# (``SCALED_HEADROOM_LOG2``), and products keep float16's 11 bits down to ``p * scale = 2**-16`` (below
+# it, an absolute 2**-27 per token, times its code: values whose scales are under about 1e-4 lose
+# relative precision, not absolute; values of 1e-3 stay within 7e-5 of the reference, as at 1).
+SCALED_HEADROOM_LOG2 = gl.constexpr(2)
+
+
+@gluon.jit
+def _value_codes(words, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """Value words uint32 ``[PAGE, W]`` -> ``V^T [D, PAGE]`` float16 subnormal codes in ``A_LAYOUT``:
+    ``code * 2**-24`` in the rows of even nibbles, ``16 code * 2**-24`` in those of odd ones."""
+    even, odd = gl.split(gl.permute(gl.reshape(words, [PAGE // 2, 2, W]), [0, 2, 1]))
+    (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
+        _VALUE_CODES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r", [even, odd],
+        dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    return _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7, PAGE, W, D, A_LAYOUT)
+
+
+@gluon.jit
+def _scaled_probabilities(weights, scale, minimum, NG: gl.constexpr, K: gl.constexpr):
+    """float32 ``weights [8, K]`` (row ``n``: query row ``n % GP`` of value group ``n // GP``) and the K
+    tokens' value ``scale``, ``minimum`` ``[NG, K]`` (float16, in the slice layout of ``weights``
+    reshaped ``[NG, GP, K]``) -> (``weights * scale`` float16 ``[8, K]``, per-thread partial sums of
+    ``weights * min`` ``[8, 8]`` as :func:`_lane_sums` gives them)."""
+    w = gl.reshape(weights, [NG, 8 // NG, K])
+    scaled = gl.reshape(w * gl.expand_dims(scale.to(gl.float32), 1), [8, K]).to(gl.float16)
+    return scaled, _lane_sums(gl.reshape(w * gl.expand_dims(minimum.to(gl.float32), 1), [8, K]), K)
+
+
+@gluon.jit
+def _codes_to_values(acc, mins, D: gl.constexpr, W: gl.constexpr, MMA: gl.constexpr):
+    """``acc [D, 8]`` of subnormal codes times scaled probabilities and the minimums' per-thread sums
+    ``[8, 8]`` -> ``acc`` in values: each row's units restored (x 2**24, or 2**20 for odd nibbles:
+    logical row ``m`` holds nibble ``m // W``; both over the probabilities' ``2**SCALED_HEADROOM_LOG2``),
+    each column's minimum term added."""
+    m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    HEADROOM: gl.constexpr = 1.0 / (1 << SCALED_HEADROOM_LOG2)  # the probabilities' factor (_chunk_weights)
+    units = (1.0 + 15.0 * (((m // W) & 1) == 0).to(gl.float32)) * (1048576.0 * HEADROOM)
+    column_mins = gl.convert_layout(gl.sum(mins, axis=1), gl.SliceLayout(0, MMA)) * HEADROOM
+    return acc * gl.expand_dims(units, 1) + gl.expand_dims(column_mins, 0)
+
+
 @gluon.jit
 def _sparse_buffers(STAGES: gl.constexpr, RP: gl.constexpr, W: gl.constexpr):
     """Shared memory of a sparse stream: STAGES tiles of ``RP`` (padded) key and value rows."""
@@ -1105,9 +1192,11 @@ def _one_hot(pairs_a, pairs_b, ASM: gl.constexpr, K: gl.constexpr, N: gl.constex
 
 @gluon.jit
 def _sparse_meta(tile, ks_ptr, km_ptr, vs_ptr, vm_ptr, pos_ptr, R: gl.constexpr, RP: gl.constexpr,
-                 NG: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, SB: gl.constexpr, GB: gl.constexpr):
+                 NG: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, SB: gl.constexpr, GB: gl.constexpr,
+                 SCALED: gl.constexpr):
     """A sparse tile's row metadata, read straight from memory: key and value (scale, min)
-    ``[RP, NG]`` (0 past ``R``) and the rows' page positions as float16 bits (0xFFFF, a NaN,
+    ``[RP, NG]`` (0 past ``R``; the values' ``[NG, RP]`` with ``SCALED``, in ``VS``) and the rows'
+    page positions as float16 bits (0xFFFF, a NaN,
     past ``R``): rows ``(2 i, 2 i + 1)`` paired ``[RP / 2]`` for the scatter's one-hot operand
     (``SB``, ``[RP, CHUNK]``) and each row twice ``[RP]`` for the gather's (``GB``, ``[CHUNK, RP]``)."""
     SP: gl.constexpr = _pair_layout(SB)
@@ -1115,9 +1204,14 @@ def _sparse_meta(tile, ks_ptr, km_ptr, vs_ptr, vm_ptr, pos_ptr, R: gl.constexpr,
     k_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, KS))
     k_offsets = gl.expand_dims(k_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, KS)), 0)
     k_mask = gl.expand_dims(k_rows < R, 1)
-    v_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, VS))
-    v_offsets = gl.expand_dims(v_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, VS)), 0)
-    v_mask = gl.expand_dims(v_rows < R, 1)
+    if SCALED:  # [NG, RP]
+        v_rows = gl.arange(0, RP, layout=gl.SliceLayout(0, VS))
+        v_offsets = gl.expand_dims(v_rows, 0) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(1, VS)), 1)
+        v_mask = gl.expand_dims(v_rows < R, 0)
+    else:
+        v_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, VS))
+        v_offsets = gl.expand_dims(v_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, VS)), 0)
+        v_mask = gl.expand_dims(v_rows < R, 1)
     even_rows = 2 * gl.arange(0, RP // 2, layout=gl.SliceLayout(1, SP))
     gather_rows = gl.arange(0, RP, layout=gl.SliceLayout(0, GP))
     base = tile * (R * NG)
@@ -1166,14 +1260,15 @@ def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CH
 
 
 @gluon.jit
-def _add_sparse_values(acc, weights, vw_s, stage, meta, c, RP: gl.constexpr, CHUNK: gl.constexpr,
+def _add_sparse_values(acc, mins, weights, vw_s, stage, meta, c, RP: gl.constexpr, CHUNK: gl.constexpr,
                        W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, MMA: gl.constexpr,
                        A_OP: gl.constexpr, B_OP: gl.constexpr, VTR: gl.constexpr, GB: gl.constexpr,
-                       VA: gl.constexpr):
-    """``acc [D, 8]`` plus a sparse value stream's residual rows weighted by their tokens'
+                       VA: gl.constexpr, SCALED: gl.constexpr):
+    """``(acc [D, 8], mins)`` plus a sparse value stream's residual rows weighted by their tokens'
     probabilities (gathered by a one-hot product, ``n = RP``; then ``k = RP``, 8 rows padded to 16
     with zeros in registers). ``GB``: the one-hot operand's layout ``[CHUNK, RP]``; ``VA``: the
-    rows' ``[D, RP]``."""
+    rows' ``[D, RP]``; ``SCALED``: the rows' codes against the gathered probabilities times their
+    scales (the metadata ``[NG, RP]``), the minimums' terms into ``mins``."""
     scale, minimum, positions = meta[2], meta[3], meta[5]
     probabilities = _pad_rows(weights.to(gl.float16), CHUNK, A_OP)  # [16, CHUNK]
     token = c * CHUNK + 2 * gl.arange(0, CHUNK // 2, layout=gl.SliceLayout(1, _pair_layout(GB)))  # (t, t + 1)
@@ -1181,15 +1276,21 @@ def _add_sparse_values(acc, weights, vw_s, stage, meta, c, RP: gl.constexpr, CHU
                        _GATHER_ONE_HOT_ASM, CHUNK, RP, GB)  # [CHUNK, RP]
     one_hot = gl.convert_layout(one_hot, B_OP, assert_trivial=True)
     gathered = _top_rows(mma_v2(probabilities, one_hot, gl.zeros([16, RP], gl.float32, layout=MMA)), RP)
-    p_rows = gl.permute(gathered.to(gl.float16), [1, 0])  # [RP, 8]
-    values = _value_tile_v2(vw_s.index(stage).load(VTR), scale, minimum, RP, W, D, NG, VA)
+    if SCALED:
+        scaled, row_mins = _scaled_probabilities(gathered, scale, minimum, NG, RP)
+        mins = mins + gl.convert_layout(row_mins, mins.type.layout, assert_trivial=True)
+        p_rows = gl.permute(scaled, [1, 0])  # [RP, 8]
+        values = _value_codes(vw_s.index(stage).load(VTR), RP, W, D, VA)
+    else:
+        p_rows = gl.permute(gathered.to(gl.float16), [1, 0])  # [RP, 8]
+        values = _value_tile_v2(vw_s.index(stage).load(VTR), scale, minimum, RP, W, D, NG, VA)
     if RP < 16:
         p_rows = _stack_rows(p_rows, gl.zeros_like(p_rows), 8, B_OP)
         values = _stack_cols(values, gl.zeros_like(values), D, RP, A_OP)
     else:
         p_rows = gl.convert_layout(p_rows, B_OP, assert_trivial=True)
         values = gl.convert_layout(values, A_OP, assert_trivial=True)
-    return mma_v2(values, p_rows, acc)
+    return mma_v2(values, p_rows, acc), mins
 
 
 @gluon.jit
@@ -1248,13 +1349,23 @@ def _page_scores(query, terms, kw_s, ks_s, stage, zero_scores, PAGE: gl.constexp
 
 
 @gluon.jit
-def _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE: gl.constexpr, CHUNK: gl.constexpr,
-                W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
-                VT: gl.constexpr, VS: gl.constexpr, FORMAT: gl.constexpr):
-    """``acc [D, 8]`` plus one value stream's ``V^T . P^T`` for chunk ``c`` of the page in ``stage``
-    (``p_t``: the probabilities as the B operand; ``weights``: the same, float32 ``[8, CHUNK]``)."""
+def _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE: gl.constexpr,
+                CHUNK: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, A_OP: gl.constexpr,
+                B_OP: gl.constexpr, VT: gl.constexpr, VS: gl.constexpr, FORMAT: gl.constexpr, SCALED: gl.constexpr):
+    """``(acc [D, 8], mins)`` plus one value stream's ``V^T . P^T`` for chunk ``c`` of the page in ``stage``
+    (``p_t``: the probabilities as the B operand; ``weights``: the same, float32 ``[8, CHUNK]``;
+    ``SCALED``: the codes' product with the probabilities times the scales, the minimums' terms into
+    ``mins``)."""
     words = vw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(VT)
-    if FORMAT == ROTATED:  # codes - zp enter the product; the per-token scale multiplies the probabilities
+    if SCALED:
+        GL: gl.constexpr = gl.SliceLayout(1, gl.reshape(weights, [NG, 8 // NG, CHUNK]).type.layout)
+        scale = vs_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).permute([1, 0]).load(GL)
+        minimum = vm_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).permute([1, 0]).load(GL)
+        scaled, chunk_mins = _scaled_probabilities(weights, scale, minimum, NG, CHUNK)
+        p_scaled = gl.convert_layout(gl.permute(scaled, [1, 0]), B_OP, assert_trivial=True)
+        acc = mma_v2(_value_codes(words, CHUNK, W, D, A_OP), p_scaled, acc)
+        mins = mins + chunk_mins
+    elif FORMAT == ROTATED:  # codes - zp enter the product; the per-token scale multiplies the probabilities
         row_scale = vs_s.index(stage).slice(c * CHUNK, CHUNK, 0)
         scaled = weights * gl.expand_dims(row_scale.load(gl.SliceLayout(0, weights.type.layout)), 0)
         p_scaled = gl.convert_layout(gl.permute(scaled.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
@@ -1280,7 +1391,7 @@ def _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE: gl.c
         scale = vs_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS)
         minimum = vm_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS)
         acc = mma_v2(_value_tile_v2(words, scale, minimum, CHUNK, W, D, NG, A_OP), p_t, acc)
-    return acc
+    return acc, mins
 
 
 @gluon.constexpr_function
@@ -1442,7 +1553,7 @@ def int4_pages_kernel_v2(
     MERGE: gl.constexpr = False, GROUP: gl.constexpr = 8, PRECISE: gl.constexpr = True,
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
     RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False, OVERLAP: gl.constexpr = False,
-    MERGE_REGS: gl.constexpr = MERGE_REGISTERS, STAGGER: gl.constexpr = False,
+    MERGE_REGS: gl.constexpr = MERGE_REGISTERS, STAGGER: gl.constexpr = False, SCALED: gl.constexpr = False,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1473,6 +1584,9 @@ def int4_pages_kernel_v2(
     next page's keys while this page's softmax and values are made, its
     values while the next page's scores are (the same shared memory as one
     plain stage, which waits for each page's whole copy before any work).
+    ``SCALED`` (INT4, ``GROUP * NG <= 8``, no ``LAZY``, one row block) puts
+    the value scales and minimums on the probabilities and the value codes
+    into the products as float16 subnormals (see :func:`_value_codes`).
 
     The query ``q_ptr`` here is the caller's ``[S, H * GROUP, D]`` (float32,
     bfloat16 or float16, natural channel order, not padded): the kernel
@@ -1484,6 +1598,9 @@ def int4_pages_kernel_v2(
     slots, 8, D]``."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
+    GP: gl.constexpr = _query_columns(SCALED, NG)  # columns of the value products per value group
+    gl.static_assert((not SCALED) | ((FORMAT == INT4) & (GROUP <= GP) & (not LAZY) & (RB == 1)),
+                     "SCALED reads INT4 values, GROUP * NG <= 8 query rows, no LAZY, one row block")
     TO_SCORES: gl.constexpr = 1.0 / KEY_UNIT if FORMAT == INT4 else 1.0  # a page's products -> scores
     MMA: gl.constexpr = _mma()
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -1513,7 +1630,12 @@ def int4_pages_kernel_v2(
         VT3: gl.constexpr = _value_tile_layout(RP3, W)
         KS3: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP3, W], gl.uint32, layout=KW3),
                                                          [RP3, NG, W // NG]).type.layout)
-        VS3: gl.constexpr = _value_meta_layout(RP3, NG, D, GV)
+        if SCALED:
+            # the rows' value (scale, min) [NG, RP3] beside their gathered probabilities (_scaled_probabilities)
+            VS3: gl.constexpr = gl.SliceLayout(1, gl.reshape(_top_rows(gl.zeros([16, RP3], gl.float32, layout=MMA),
+                                                                          RP3), [NG, 8 // NG, RP3]).type.layout)
+        else:
+            VS3: gl.constexpr = _value_meta_layout(RP3, NG, D, GV)
         # the one-hot operands' layouts (the scatter's k and the values' k cut to RP3 from 16 when 8)
         SB3: gl.constexpr = _narrowed(gl.to_linear_layout(B_OP, [_product_k(RP3), CHUNK]), 0, RP3)
         GB3: gl.constexpr = gl.to_linear_layout(B_OP, [CHUNK, RP3])
@@ -1524,7 +1646,12 @@ def int4_pages_kernel_v2(
         VT4: gl.constexpr = _value_tile_layout(RP4, W)
         KS4: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP4, W], gl.uint32, layout=KW4),
                                                          [RP4, NG, W // NG]).type.layout)
-        VS4: gl.constexpr = _value_meta_layout(RP4, NG, D, GV)
+        if SCALED:
+            # the rows' value (scale, min) [NG, RP4] beside their gathered probabilities (_scaled_probabilities)
+            VS4: gl.constexpr = gl.SliceLayout(1, gl.reshape(_top_rows(gl.zeros([16, RP4], gl.float32, layout=MMA),
+                                                                          RP4), [NG, 8 // NG, RP4]).type.layout)
+        else:
+            VS4: gl.constexpr = _value_meta_layout(RP4, NG, D, GV)
         # the one-hot operands' layouts (the scatter's k and the values' k cut to RP4 from 16 when 8)
         SB4: gl.constexpr = _narrowed(gl.to_linear_layout(B_OP, [_product_k(RP4), CHUNK]), 0, RP4)
         GB4: gl.constexpr = gl.to_linear_layout(B_OP, [CHUNK, RP4])
@@ -1549,7 +1676,8 @@ def int4_pages_kernel_v2(
     length = gl.load(lengths_ptr + seq)
     active = gl.load(active_ptr + seq).to(gl.int32) != 0
     # The query, float16, logical key order, rows 8-15 zero: the A operand.
-    q_rows = row_block * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
+    # (SCALED: the rows repeated in each value group's block of GP columns.)
+    q_rows = row_block * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, QL)) % GP
     q_cols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
     query = gl.load(q_ptr + program * (GROUP * D) + gl.expand_dims(q_rows, 1) * D + gl.expand_dims(q_cols, 0),
                     mask=gl.expand_dims(q_rows < GROUP, 1), other=0.0).to(gl.float32) * QSCALE
@@ -1596,6 +1724,7 @@ def int4_pages_kernel_v2(
     run_max = gl.max(_top_rows(zero_scores, CHUNK), axis=1) + MASK_VALUE
     tokens = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, _top_rows(zero_scores, CHUNK).type.layout))
     sums = _lane_sums(_top_rows(zero_scores, CHUNK), CHUNK)  # [8, 8]: per-thread partial row sums
+    mins = gl.zeros_like(sums)  # SCALED: per-thread partial sums of p x value minimums, per column
 
     if OVERLAP:
         gl.static_assert((STREAMS == 1) & (SPARSE == 0) & (CHUNK == PAGE) & (STAGES >= 2),
@@ -1641,20 +1770,22 @@ def int4_pages_kernel_v2(
                 terms = (0.0, 0.0)
             ahead_scores = _page_scores(query, terms, kw_s, ks_s, next_stage, zero_scores, PAGE, W, D, B_OP, KW,
                                         MMA, FORMAT)
-            weights, sums, acc, run_max = _chunk_weights(scores, sums, acc, run_max, TO_SCORES, PAGE, MMA, LAZY)
+            weights, sums, mins, acc, run_max = _chunk_weights(scores, sums, mins, acc, run_max, TO_SCORES, PAGE, MMA,
+                                                               LAZY, SCALED)
             p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-            acc = _add_values(acc, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, stage, 0, PAGE, PAGE, W, D, NG,
-                              A_OP, B_OP, VT, VS, FORMAT)
+            acc, mins = _add_values(acc, mins, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, stage, 0, PAGE,
+                                    PAGE, W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
             if FORMAT == NVFP4:
                 value_term = terms[1]
         if count > 0:
             last = count - 1
             current, current_live = _page_tile(last, count, first, seq, head, table_ptr, pool_pages, max_pages)
             scores = _mask_chunk(ahead_scores, (first + last) * PAGE, tokens, current_live, packed_end, SINK, PAGE)
-            weights, sums, acc, run_max = _chunk_weights(scores, sums, acc, run_max, TO_SCORES, PAGE, MMA, LAZY)
+            weights, sums, mins, acc, run_max = _chunk_weights(scores, sums, mins, acc, run_max, TO_SCORES, PAGE, MMA,
+                                                               LAZY, SCALED)
             p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-            acc = _add_values(acc, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, last % STAGES, 0, PAGE, PAGE,
-                              W, D, NG, A_OP, B_OP, VT, VS, FORMAT)
+            acc, mins = _add_values(acc, mins, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, last % STAGES, 0,
+                                    PAGE, PAGE, W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
     else:
         # Staggered (one stage): the next page's keys are copied once this page's scores are made, and its
         # values once this page's values are used: each copy flies behind the other half of a page's work.
@@ -1673,10 +1804,10 @@ def int4_pages_kernel_v2(
             current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
             if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
                 meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SB3,
-                                     GB3)
+                                     GB3, SCALED)
             if SPARSE >= 2:
                 meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, SB4,
-                                     GB4)
+                                     GB4, SCALED)
             if FORMAT == NVFP4:  # the tile scales come from global memory: load them before waiting
                 terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D,
                                     W, A_OP, B8, KM, FORMAT, PRECISE)
@@ -1726,7 +1857,8 @@ def int4_pages_kernel_v2(
                 scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
                 scores = _mask_chunk(scores, (first + step) * PAGE + c * CHUNK, tokens, current_live, packed_end, SINK,
                                      CHUNK)
-                weights, sums, acc, run_max = _chunk_weights(scores, sums, acc, run_max, TO_SCORES, CHUNK, MMA, LAZY)
+                weights, sums, mins, acc, run_max = _chunk_weights(scores, sums, mins, acc, run_max, TO_SCORES, CHUNK,
+                                                                   MMA, LAZY, SCALED)
                 if STAGGERED:
                     if c == 0:  # this page's values have landed (the next page's keys may be in flight)
                         if PAGE == CHUNK:
@@ -1734,23 +1866,26 @@ def int4_pages_kernel_v2(
                         else:
                             async_copy.wait_group(0)
                 p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-                acc = _add_values(acc, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D, NG, A_OP,
-                                  B_OP, VT, VS, FORMAT)
+                acc, mins = _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D,
+                                        NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
                 if STREAMS == 2:
-                    acc = _add_values(acc, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK, W, D, NG,
-                                      A_OP, B_OP, VT, VS, FORMAT)
+                    acc, mins = _add_values(acc, mins, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK,
+                                            W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
                 if SPARSE >= 1:
-                    acc = _add_sparse_values(acc, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
-                                             B_OP, VT3, GB3, VA3)
+                    acc, mins = _add_sparse_values(acc, mins, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG,
+                                                   MMA, A_OP, B_OP, VT3, GB3, VA3, SCALED)
                 if SPARSE >= 2:
-                    acc = _add_sparse_values(acc, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
-                                             B_OP, VT4, GB4, VA4)
+                    acc, mins = _add_sparse_values(acc, mins, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG,
+                                                   MMA, A_OP, B_OP, VT4, GB4, VA4, SCALED)
             if STAGGERED:  # every value tile of the page is read
                 _copy_page(value_tiles, 0, following, following_live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE,
                            W, D, NG, FORMAT)
                 async_copy.commit_group()
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
+    if SCALED:  # before the windows, whose values are plain
+        acc = _codes_to_values(acc, mins, D, W, MMA)
+        total = total * (1.0 / (1 << SCALED_HEADROOM_LOG2))
 
     if WINDOWS:
         if split == window_split:
@@ -1783,9 +1918,13 @@ def int4_pages_kernel_v2(
     slot = partial * slots + split
     o_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     o_chan = _value_physical(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), W)
-    # The group's rows only (rows past GROUP are padding; nothing reads them).
-    gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows, 0) * D + gl.expand_dims(o_chan, 1), acc,
-             mask=gl.expand_dims(row_block * 8 + o_rows < GROUP, 0))
+    # The group's rows only (rows past GROUP are padding; nothing reads them); SCALED: each channel from
+    # the columns of its value group.
+    o_keep = gl.expand_dims(row_block * 8 + o_rows % GP < GROUP, 0)
+    if SCALED:
+        o_keep = o_keep & (gl.expand_dims(o_rows // GP, 0) == gl.expand_dims(o_chan // GV, 1))
+    gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows % GP, 0) * D + gl.expand_dims(o_chan, 1), acc,
+             mask=o_keep)
     r_sum = gl.arange(0, 8, layout=total.type.layout)
     gl.store(sum_ptr + slot * 8 + r_sum, total, mask=row_block * 8 + r_sum < GROUP)
     r_max = gl.arange(0, 8, layout=run_max.type.layout)

@@ -36,6 +36,17 @@ OVERLAP_STAGES = 3  # the overlapped loop keeps a page in flight besides the two
 STAGGER = True  # one stage (chains): keys and values as two copy groups (gluon_decode; bench/KERNEL_NOTES.md)
 
 
+def scaled_values(*, format: str, head_dim: int, value_group: int, group: int, row_blocks: int = 1,
+                  lazy: bool = False) -> bool:
+    """Whether the pipelined kernel can read INT4 values as subnormal codes with their scales and
+    minimums on the probabilities (``gluon_decode``, ``SCALED``): INT4 streams, a GQA group of at most
+    ``8 / (head_dim / value_group)`` query rows (each value group takes a block of the products' 8
+    columns), one row block, no lazy rescaling (whose probabilities reach 2**8: times a float16 scale they
+    could overflow)."""
+    return (format == "int4" and not lazy and row_blocks == 1 and value_group <= head_dim
+            and group * (head_dim // value_group) <= 8)
+
+
 def padded_sparse_rows(rows: int) -> int:
     """Rows of a sparse loop's tile as the Gluon kernel holds them: a power of two >= 8 (the n of the
     products that take the rows on their n axis; those that take them on k pad 8 rows to 16 in registers)."""
