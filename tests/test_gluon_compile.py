@@ -70,12 +70,13 @@ def test_staggered_copies_need_no_more_shared_memory():
         assert resources["registers"] <= 255 and resources["spill_stores"] == 0, resources
 
 
-@pytest.mark.parametrize("streams, sparse", [(1, ()), (2, (16, 7))])
-def test_scaled_values_drop_the_value_decode(streams, sparse):
+@pytest.mark.parametrize("streams, sparse, chunk", [(1, (), 32), (2, (16, 7), None)])
+def test_scaled_values_drop_the_value_decode(streams, sparse, chunk):
     """INT4 values as subnormal codes against probabilities times their scales (head_dim 128, a GQA group
-    of 4): the layouts hold, the same shared memory, registers within 255, and no float16 multiply-add
-    decodes a value pair (the loop's only ones left are the sparse keys')."""
-    options = dict(group=4, streams=streams, sparse=sparse, stages=2 if streams == 1 else 1)
+    of 4; 32-token chunks of 64-token pages, and whole pages): the layouts hold, the same shared memory,
+    registers within 255, and no float16 multiply-add decodes a value pair (the loop's only ones left
+    are the sparse keys')."""
+    options = dict(group=4, streams=streams, sparse=sparse, chunk=chunk, stages=2 if streams == 1 else 1)
     plain = compile_check.compile_pages_kernel("pipelined", scaled=False, **options)
     scaled = compile_check.compile_pages_kernel("pipelined", scaled=True, **options)
     assert scaled.metadata.shared == plain.metadata.shared

@@ -202,15 +202,18 @@ def test_stagger_refuses_more_than_one_stage():
 
 
 @pytest.mark.parametrize("head_dim, group, loops, value_scale", [
-    (128, 4, 1, 1e-3), (64, 8, 1, 1.0), (64, 2, 4, 1.0), *gpu_only((128, 4, 1, 1.0), (256, 2, 2, 1.0))])
+    (128, 4, 1, 1e-3), (64, 8, 1, 1.0), *gpu_only((128, 4, 1, 1.0), (64, 2, 4, 1.0), (256, 2, 2, 1.0))])
 def test_values_scaled_on_the_probabilities(rng, head_dim, group, loops, value_scale):
     """INT4 value codes as float16 subnormals against probabilities times the value scales (the default
-    where the GQA group leaves a block of columns per value group): within the reference's tolerance,
-    like the codes decoded in registers, and not the same bits (the path switch changes the arithmetic).
-    Small values (``value_scale`` 1e-3) put many scaled probabilities below float16's normal range."""
+    where the GQA group leaves a block of columns per value group; the chain tests above take it too):
+    within the reference's tolerance, like the codes decoded in registers, and not the same bits (the
+    path switch changes the arithmetic). Small values (``value_scale`` 1e-3) put many scaled
+    probabilities below float16's normal range."""
     config = small_config(num_loops=loops, page_size=16, head_dim=head_dim, max_pages_per_sequence=40,
                           num_pages=128, num_kv_heads=2)
-    cache, _ = build(rng, config, prompt_lengths=[300, 7, 40], steps=2, value_scale=value_scale)
+    if loops == 1:  # test_gluon_kernel_matches_reference's cache
+        config = one_loop_config(head_dim, 16, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
+    cache, _ = build(rng, config, prompt_lengths=[37, 5, 8 * 16 + 3], steps=2, value_scale=value_scale)
     queries = jnp.asarray(rng.standard_normal((3, 2 * group, head_dim)) * 2, jnp.float32)
     loop = loops - 1
     expected = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=True)
@@ -224,11 +227,27 @@ def test_values_scaled_on_the_probabilities(rng, head_dim, group, loops, value_s
 
 
 def test_scaled_values_refuse_what_they_cannot_read():
-    """More query rows than a value group's block of columns (8 at head_dim 128 with groups of 64)."""
-    config = one_loop_config(128, 16, num_kv_heads=1, max_pages_per_sequence=4, num_pages=8)
+    """Lazy rescaling: its probabilities reach 2**8, and times a value scale they could overflow float16."""
+    config = one_loop_config(64, 16, num_kv_heads=1, max_pages_per_sequence=4, num_pages=8)
     cache, _ = build(np.random.default_rng(0), config, prompt_lengths=[40], steps=1)
     with pytest.raises(ValueError, match="scaled values need"):
-        gluon_attention(jnp.ones((1, 8, 128), jnp.float32), cache, 0, options=dict(scaled_values=True))
+        gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0, options=dict(scaled_values=True, lazy=True))
+
+
+def test_where_values_can_be_scaled_on_the_probabilities():
+    """Each value group takes a block of 8 / groups columns: the GQA group must fit in it."""
+    from jflashloop_triton_kernels import launch
+
+    def can(group, head_dim=128, value_group=64, **options):
+        return launch.scaled_values(format=options.pop("format", "int4"), head_dim=head_dim,
+                                    value_group=value_group, group=group, **options)
+
+    assert can(4) and can(1) and not can(5) and not can(8)
+    assert can(8, head_dim=64) and can(2, head_dim=256) and not can(3, head_dim=256)
+    assert can(8, value_group=128) and can(2, value_group=32) and not can(3, value_group=32)
+    assert not can(2, value_group=16) and can(1, value_group=16)
+    assert not can(4, lazy=True) and not can(4, row_blocks=2)
+    assert not can(4, format="nvfp4") and not can(4, format="int4_rotated")
 
 
 def test_merge_registers_must_be_positive():

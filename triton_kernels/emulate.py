@@ -109,9 +109,6 @@ class Shared:
     def reshape(self, shape):
         return Shared(self.array.reshape(shape))
 
-    def permute(self, order):
-        return Shared(self.array.transpose(order))
-
     def load(self, layout=None):
         return _t(self.array.copy())
 

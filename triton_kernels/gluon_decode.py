@@ -727,6 +727,19 @@ def _narrowed(layout, dim: int, size: int):
 
 
 @gluon.constexpr_function
+def _transposed(layout):
+    """A 2-D linear layout with its axes swapped (``None``, the CPU emulation's, stays ``None``)."""
+    if layout is None:
+        return layout
+
+    def swap(bases):
+        return [[b[1], b[0]] for b in bases]
+
+    return gl.DistributedLinearLayout(swap(layout.reg_bases), swap(layout.lane_bases), swap(layout.warp_bases), [],
+                                      [layout.shape[1], layout.shape[0]])
+
+
+@gluon.constexpr_function
 def _plain_shared(rank: int):
     return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
 
@@ -1357,10 +1370,13 @@ def _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE
     ``SCALED``: the codes' product with the probabilities times the scales, the minimums' terms into
     ``mins``)."""
     words = vw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(VT)
-    if SCALED:
+    if SCALED:  # the chunk's value (scale, min) [CHUNK, NG], transposed in registers to [NG, CHUNK]
         GL: gl.constexpr = gl.SliceLayout(1, gl.reshape(weights, [NG, 8 // NG, CHUNK]).type.layout)
-        scale = vs_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).permute([1, 0]).load(GL)
-        minimum = vm_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).permute([1, 0]).load(GL)
+        GT: gl.constexpr = _transposed(gl.to_linear_layout(GL, [NG, CHUNK]))
+        scale = vs_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(GT)
+        minimum = vm_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(GT)
+        scale = gl.convert_layout(gl.permute(scale, [1, 0]), GL, assert_trivial=True)
+        minimum = gl.convert_layout(gl.permute(minimum, [1, 0]), GL, assert_trivial=True)
         scaled, chunk_mins = _scaled_probabilities(weights, scale, minimum, NG, CHUNK)
         p_scaled = gl.convert_layout(gl.permute(scaled, [1, 0]), B_OP, assert_trivial=True)
         acc = mma_v2(_value_codes(words, CHUNK, W, D, A_OP), p_scaled, acc)
