@@ -134,7 +134,7 @@ def run_mesh(data: int, model: int, inputs, single) -> None:
     ok, found = only_counter_all_reduces(hlo, model)
     check(f"{label}: append moves no cache data ({len(found)} int32 flag/counter all-reduce ops)", ok)
     prefill = sharding._prefill_function(mesh, local, c, sharding.MeshAxes(), None)
-    prompt = tokens(rng, (2, 4, 32, 8, 16))
+    prompt = tokens(rng, (2, 4, 72, 8, 16))  # the prompts' shape: the program compiled for them above
     hlo = prefill.lower(sharded, jnp.int32(3), prompt, prompt, jnp.int32(32)).compile().as_text()
     ok, found = only_counter_all_reduces(hlo, model)
     check(f"{label}: prefill moves no cache data ({len(found)} int32 flag/counter all-reduce ops)", ok)
@@ -176,15 +176,17 @@ def run_fork_checks() -> None:
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=AUTO)
     rng = np.random.default_rng(5)
     keys, values = tokens(rng, (2, 4, 72, 8, 16)), tokens(rng, (2, 4, 72, 8, 16))
-    single = paged_cache.prefill(paged_cache.create(config()), 2, keys, values, 70)
-    single = paged_cache.fork(single, 2, 3, 40)
+    # Jitted like the single-device reference's calls (same shapes, so their compilations are shared).
+    single = jax.jit(paged_cache.prefill)(paged_cache.create(config()), jnp.int32(2), keys, values, jnp.int32(70))
+    single = jax.jit(paged_cache.fork)(single, jnp.int32(2), jnp.int32(3), jnp.int32(40))
+    reconstruct = jax.jit(paged_cache.reconstruct, static_argnums=(1, 2))
     sharded = sharding.prefill(sharding.create(config(), mesh), mesh, 2, keys, values, 70)
     sharded = sharding.fork(sharded, mesh, 2, 3, 40)
     check("fork within a data shard: same page references",
           np.array_equal(np.asarray(sharded.page_refs).sum(), np.asarray(single.page_refs).sum()))
     for layer, loop in ((0, 0), (1, 3)):
         got = sharding.reconstruct(sharded, mesh, layer, loop, 3)
-        want = paged_cache.reconstruct(single, layer, loop, 3)
+        want = reconstruct(single, layer, loop, jnp.int32(3))
         check(f"fork within a data shard: slot 3 layer {layer} loop {loop} as on one device",
               all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got[:2], want[:2], strict=True)))
     try:
