@@ -111,7 +111,7 @@ def test_fork_and_append_tokens_follow_the_layer_policies(rng):
     history = History(config, 64)
     kept = built.keys.shape[3]
     history.keys[..., :kept, :, :], history.values[..., :kept, :, :] = built.keys, built.values
-    forked = paged_cache.fork(cache, 0, 1)
+    forked = jax.jit(paged_cache.fork)(cache, 0, 1)  # eager and jitted forks agree: test_sharing
     paged_cache.validate(forked)
     for layer in range(config.num_layers):
         got, want = paged_cache.reconstruct(forked, layer, 3, 1), paged_cache.reconstruct(forked, layer, 3, 0)
