@@ -57,7 +57,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     streams rotate them in float32); ``merge_registers``: the in-kernel
     merge's registers per round trip (None: ``launch.MERGE_REGISTERS``);
     ``scaled``: INT4 values as subnormal codes against scaled probabilities
-    (None: where ``launch.scaled_values`` allows it).
+    (None: ``launch.preferred_scaled_values``).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -86,9 +86,9 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     if pipelined:
         constants.update(MERGE=merge, GROUP=group, PRECISE=precise, QSCALE=0.12753, PENDING=1, CAPACITY=1 << 20,
                          RECENT=64, RB=row_blocks, LAZY=lazy, OVERLAP=overlap, STAGGER=stagger,
-                         SCALED=launch.scaled_values(format=format, head_dim=head_dim, value_group=value_group,
-                                                     group=group, row_blocks=row_blocks, lazy=lazy)
-                         if scaled is None else scaled,
+                         SCALED=launch.preferred_scaled_values(
+                             format=format, head_dim=head_dim, value_group=value_group, group=group,
+                             row_blocks=row_blocks, lazy=lazy, sparse_loops=len(sparse)) if scaled is None else scaled,
                          MERGE_REGS=launch.MERGE_REGISTERS if merge_registers is None else merge_registers)
     heads = [query, "*i32", "*i32", "*i1"] if pipelined else POINTERS  # query, table, (lengths, active | bounds)
     types = heads + stream + windows + scalars + outputs + ["constexpr"] * len(constants)

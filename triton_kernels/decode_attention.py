@@ -147,8 +147,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
       stagger: with one stage (pipelined kernel), copy a page's keys and its
         values as two groups, each behind the other half of a page's work.
       scaled: INT4 values as subnormal codes, their scales and minimums on the
-        probabilities (pipelined kernel); None: wherever
-        :func:`jflashloop_triton_kernels.launch.scaled_values` allows it.
+        probabilities (pipelined kernel); None:
+        :func:`jflashloop_triton_kernels.launch.preferred_scaled_values`.
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
       splits, 8], max [...])`` float32, natural channel order (program ``h *
@@ -191,14 +191,14 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                          "whole-page chunks")
     if stagger and stages != 1:
         raise ValueError(f"stagger needs the pipelined kernel with one stage, got stages={stages}")
-    can_scale = stages is not None and launch.scaled_values(
-        format=("int4", "nvfp4", "int4_rotated")[stream_format], head_dim=head_dim, value_group=value_group,
-        group=group, row_blocks=row_blocks, lazy=lazy)
+    where = dict(format=("int4", "nvfp4", "int4_rotated")[stream_format], head_dim=head_dim,
+                 value_group=value_group, group=group, row_blocks=row_blocks, lazy=lazy, sparse_loops=len(sparse))
     if scaled is None:
-        scaled = can_scale
-    elif scaled and not can_scale:
-        raise ValueError("scaled values need the pipelined kernel, INT4 streams, at most 8 / (head_dim / "
-                         "value_group) query rows, one row block and no lazy rescaling")
+        scaled = stages is not None and launch.preferred_scaled_values(**where)
+    elif scaled and not (stages is not None and launch.scaled_values(**where)):
+        raise ValueError("scaled values need the pipelined kernel, INT4 streams with at most 8 / (head_dim / "
+                         "value_group) query rows or int4_rotated streams without sparse loops, one row block "
+                         "and no lazy rescaling")
     if stages is not None:  # the pipelined kernel: the sequence state, not the bounds
         if state is None:
             raise ValueError("the pipelined kernel reads the sequence state (lengths, active)")
@@ -336,10 +336,11 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       and values, its values behind the next page's scores. None:
       :data:`jflashloop_triton_kernels.launch.STAGGER` (on) where one stage is used
       (the chains' default; faster on an H200: ``bench/RESULTS.md``).
-    * ``scaled_values`` (pipelined kernel, INT4): the value codes enter the
-      products as float16 subnormals, their scales and minimums join the
-      probabilities. None: wherever
-      :func:`jflashloop_triton_kernels.launch.scaled_values` allows it.
+    * ``scaled_values`` (pipelined kernel, INT4 and int4_rotated): the value
+      codes enter the products as float16 subnormals, their scales (and
+      minimums or zero points) join the probabilities. None:
+      :func:`jflashloop_triton_kernels.launch.preferred_scaled_values` (INT4
+      wherever it can; int4_rotated not yet).
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the

@@ -689,8 +689,14 @@ _padded_sparse_rows = gluon.constexpr_function(launch.padded_sparse_rows)
 
 @gluon.constexpr_function
 def _query_columns(scaled: bool, groups: int) -> int:
-    """Columns of a value product per value group: ``8 / NG`` with ``SCALED``, else all 8."""
+    """Columns of a value product per scale group: ``8 / groups`` with ``SCALED``, else all 8."""
     return 8 // groups if scaled else 8
+
+
+@gluon.constexpr_function
+def _scale_groups(format: int, groups: int) -> int:
+    """Value scales per token: one for int4_rotated, ``NG`` for INT4."""
+    return 1 if format == 2 else groups
 
 
 @gluon.constexpr_function
@@ -1370,7 +1376,7 @@ def _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE
     ``SCALED``: the codes' product with the probabilities times the scales, the minimums' terms into
     ``mins``)."""
     words = vw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(VT)
-    if SCALED:  # the chunk's value (scale, min) [CHUNK, NG], transposed in registers to [NG, CHUNK]
+    if SCALED & (FORMAT == INT4):  # the chunk's value (scale, min) [CHUNK, NG], transposed in registers to [NG, CHUNK]
         GL: gl.constexpr = gl.SliceLayout(1, gl.reshape(weights, [NG, 8 // NG, CHUNK]).type.layout)
         GT: gl.constexpr = _transposed(gl.to_linear_layout(GL, [NG, CHUNK]))
         scale = vs_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(GT)
@@ -1383,21 +1389,28 @@ def _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE
         mins = mins + chunk_mins
     elif FORMAT == ROTATED:  # codes - zp enter the product; the per-token scale multiplies the probabilities
         row_scale = vs_s.index(stage).slice(c * CHUNK, CHUNK, 0)
-        scaled = weights * gl.expand_dims(row_scale.load(gl.SliceLayout(0, weights.type.layout)), 0)
-        p_scaled = gl.convert_layout(gl.permute(scaled.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-        even, odd = gl.split(gl.permute(gl.reshape(words, [CHUNK // 2, 2, W]), [0, 2, 1]))
-        VE: gl.constexpr = gl.SliceLayout(1, even.type.layout)
-        zp_even, zp_odd = gl.split(gl.reshape(_zero_point(row_scale.load(gl.SliceLayout(1, VT))), [CHUNK // 2, 2]))
-        zp_even = gl.expand_dims(gl.convert_layout(zp_even, VE), 1)
-        zp_odd = gl.expand_dims(gl.convert_layout(zp_odd, VE), 1)
-        (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
-            _ROTATED_VALUE_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h,h,h",
-            [even, odd, (zp_even + 1024.0).to(gl.float16), (zp_odd + 1024.0).to(gl.float16),
-             (-64.0 - zp_even).to(gl.float16), (-64.0 - zp_odd).to(gl.float16)],
-            dtype=(gl.float16,) * 16, is_pure=True, pack=1)
-        values = _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7,
-                                      CHUNK, W, D, A_OP)
-        acc = mma_v2(values, p_scaled, acc)
+        token_scale = row_scale.load(gl.SliceLayout(0, weights.type.layout))
+        scaled = (weights * gl.expand_dims(token_scale, 0)).to(gl.float16)
+        p_scaled = gl.convert_layout(gl.permute(scaled, [1, 0]), B_OP, assert_trivial=True)
+        if SCALED:  # the codes as subnormals; - zp x (the same float16 p x scale) into mins
+            zero_points = gl.expand_dims(_zero_point(token_scale), 0)
+            mins = mins - _lane_sums(scaled.to(gl.float32) * zero_points, CHUNK)
+            acc = mma_v2(_value_codes(words, CHUNK, W, D, A_OP), p_scaled, acc)
+        else:
+            even, odd = gl.split(gl.permute(gl.reshape(words, [CHUNK // 2, 2, W]), [0, 2, 1]))
+            VE: gl.constexpr = gl.SliceLayout(1, even.type.layout)
+            zp_even, zp_odd = gl.split(gl.reshape(_zero_point(row_scale.load(gl.SliceLayout(1, VT))),
+                                                  [CHUNK // 2, 2]))
+            zp_even = gl.expand_dims(gl.convert_layout(zp_even, VE), 1)
+            zp_odd = gl.expand_dims(gl.convert_layout(zp_odd, VE), 1)
+            (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
+                _ROTATED_VALUE_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h,h,h",
+                [even, odd, (zp_even + 1024.0).to(gl.float16), (zp_odd + 1024.0).to(gl.float16),
+                 (-64.0 - zp_even).to(gl.float16), (-64.0 - zp_odd).to(gl.float16)],
+                dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+            values = _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7,
+                                          CHUNK, W, D, A_OP)
+            acc = mma_v2(values, p_scaled, acc)
     elif FORMAT == NVFP4:
         VB: gl.constexpr = _value_meta_layout(CHUNK, D // 16, D, 16)
         scale_bytes = vs_s.index(stage).reshape([PAGE, D // 16]).slice(c * CHUNK, CHUNK, 0).load(VB)
@@ -1614,9 +1627,12 @@ def int4_pages_kernel_v2(
     slots, 8, D]``."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
-    GP: gl.constexpr = _query_columns(SCALED, NG)  # columns of the value products per value group
-    gl.static_assert((not SCALED) | ((FORMAT == INT4) & (GROUP <= GP) & (not LAZY) & (RB == 1)),
-                     "SCALED reads INT4 values, GROUP * NG <= 8 query rows, no LAZY, one row block")
+    SG: gl.constexpr = _scale_groups(FORMAT, NG)  # value scales per token
+    GP: gl.constexpr = _query_columns(SCALED, SG)  # columns of the value products per scale group
+    gl.static_assert((not SCALED) | (((FORMAT == INT4) | ((FORMAT == ROTATED) & (SPARSE == 0))) & (GROUP <= GP)
+                                     & (not LAZY) & (RB == 1)),
+                     "SCALED reads INT4 or int4_rotated values (no sparse loops), GROUP * NG <= 8 query rows "
+                     "(int4: NG value groups), no LAZY, one row block")
     TO_SCORES: gl.constexpr = 1.0 / KEY_UNIT if FORMAT == INT4 else 1.0  # a page's products -> scores
     MMA: gl.constexpr = _mma()
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -1938,7 +1954,7 @@ def int4_pages_kernel_v2(
     # the columns of its value group.
     o_keep = gl.expand_dims(row_block * 8 + o_rows % GP < GROUP, 0)
     if SCALED:
-        o_keep = o_keep & (gl.expand_dims(o_rows // GP, 0) == gl.expand_dims(o_chan // GV, 1))
+        o_keep = o_keep & (gl.expand_dims(o_rows // GP, 0) == gl.expand_dims(o_chan // (D // SG), 1))
     gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows % GP, 0) * D + gl.expand_dims(o_chan, 1), acc,
              mask=o_keep)
     r_sum = gl.arange(0, 8, layout=total.type.layout)

@@ -36,15 +36,28 @@ OVERLAP_STAGES = 3  # the overlapped loop keeps a page in flight besides the two
 STAGGER = True  # one stage (chains): keys and values as two copy groups (gluon_decode; bench/KERNEL_NOTES.md)
 
 
+SCALED_ROTATED = False  # int4_rotated values on the probabilities by default (gluon_decode; not yet timed on a GPU)
+
+
 def scaled_values(*, format: str, head_dim: int, value_group: int, group: int, row_blocks: int = 1,
-                  lazy: bool = False) -> bool:
-    """Whether the pipelined kernel can read INT4 values as subnormal codes with their scales and
-    minimums on the probabilities (``gluon_decode``, ``SCALED``): INT4 streams, a GQA group of at most
-    ``8 / (head_dim / value_group)`` query rows (each value group takes a block of the products' 8
-    columns), one row block, no lazy rescaling (whose probabilities reach 2**8: times a float16 scale they
-    could overflow)."""
-    return (format == "int4" and not lazy and row_blocks == 1 and value_group <= head_dim
-            and group * (head_dim // value_group) <= 8)
+                  lazy: bool = False, sparse_loops: int = 0) -> bool:
+    """Whether the pipelined kernel can read INT4 or int4_rotated values as subnormal codes with their
+    scales (and INT4's minimums, int4_rotated's zero points) on the probabilities (``gluon_decode``,
+    ``SCALED``): a GQA group of at most ``8 / (head_dim / value_group)`` query rows for INT4 (each value
+    group takes a block of the products' 8 columns; int4_rotated has one scale per token), one row block,
+    no lazy rescaling (whose probabilities reach 2**8: times a float16 scale they could overflow), and for
+    int4_rotated no sparse loops (their INT4 rows have groups)."""
+    if lazy or row_blocks != 1:
+        return False
+    if format == "int4_rotated":
+        return sparse_loops == 0 and group <= 8
+    return format == "int4" and value_group <= head_dim and group * (head_dim // value_group) <= 8
+
+
+def preferred_scaled_values(**where) -> bool:
+    """The pipelined kernel's default: :func:`scaled_values` (same arguments) for INT4, and for
+    int4_rotated where :data:`SCALED_ROTATED` says so."""
+    return scaled_values(**where) and (where["format"] == "int4" or SCALED_ROTATED)
 
 
 def padded_sparse_rows(rows: int) -> int:
