@@ -95,7 +95,7 @@ def test_append_equals_prefill_of_the_same_history(rng):
     config = small_config(max_sequences=1)
     keys, values = looped_tokens(rng, config, 150)
     direct = _prefill(paged_cache.create(config), 0, keys, values, 150)
-    incremental = _prefill(paged_cache.create(config), 0, keys[:, :, :37], values[:, :, :37], 37)
+    incremental = _prefill(paged_cache.create(config), 0, keys, values, 37)  # the first 37 tokens (one shape)
     for t in range(37, 150):
         incremental = _append(incremental, keys[:, :, t : t + 1], values[:, :, t : t + 1])
     for layer in range(config.num_layers):
