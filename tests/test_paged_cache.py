@@ -155,7 +155,7 @@ def test_done_when_four_loops_two_layers_three_sequences_200_appends(rng):
 
 def test_free_returns_pages_and_slot(rng):
     config = small_config(num_pages=8, max_pages_per_sequence=8)
-    cache, _ = build(rng, config, prompt_lengths=[70, 40], steps=0)  # 4 + 2 pages
+    cache, _ = build(rng, config, prompt_lengths=[70, 40], steps=0, padded_tokens=96)  # 4 + 2 pages
     assert int(cache.page_free.sum()) == 2
     cache = jax.jit(paged_cache.free)(cache, 0)
     assert int(cache.page_free.sum()) == 6 and not bool(cache.active[0]) and int(cache.lengths[0]) == 0
