@@ -48,7 +48,8 @@ def test_prefill_matches_oracle(rng, sink, recent):
 def test_appends_across_pages_match_oracle(rng):
     config = small_config()
     # 5 + 60 crosses three page boundaries; 31 + 60 starts one short of a boundary.
-    cache, history = build(rng, config, prompt_lengths=[5, 31, 16], steps=60)
+    # (Prompts padded to test_prefill_matches_oracle's 80 tokens: one prefill shape per config.)
+    cache, history = build(rng, config, prompt_lengths=[5, 31, 16], steps=60, padded_tokens=80)
     assert_matches_oracle(cache, history.keys, history.values, layers=[0])
 
 
@@ -78,7 +79,7 @@ def test_larger_pages_match_oracle(rng, page_size):
 
 def test_pending_token_is_visible_before_commit(rng):
     config = small_config()
-    cache, history = build(rng, config, prompt_lengths=[31, 3, 64], steps=0)
+    cache, history = build(rng, config, prompt_lengths=[31, 3, 64], steps=0, padded_tokens=80)
     keys, values = looped_tokens(rng, config, 1, batch=config.max_sequences)
     for layer in range(config.num_layers):
         for loop in range(config.num_loops):
