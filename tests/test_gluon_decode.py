@@ -217,7 +217,7 @@ def test_values_scaled_on_the_probabilities(rng, head_dim, group, loops, value_s
     if loops == 1:  # test_gluon_kernel_matches_reference's cache
         config = one_loop_config(head_dim, 16, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)
     if format == "int4_rotated":
-        codecs = (jflashloop.int4_rotated(64, 3), jflashloop.int4_rotated(64, 4))
+        codecs = (jflashloop.int4_rotated(head_dim, 3), jflashloop.int4_rotated(head_dim, 4))  # whole heads
         config = dataclasses.replace(config, loops=(LoopStorage(*codecs),) * loops)
     cache, _ = build(rng, config, prompt_lengths=[37, 5, 8 * 16 + 3], steps=2, value_scale=value_scale)
     queries = jnp.asarray(rng.standard_normal((3, 2 * group, head_dim)) * 2, jnp.float32)
