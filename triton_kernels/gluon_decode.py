@@ -440,12 +440,14 @@ def _value_physical(m, W: gl.constexpr):
 KEY_UNIT = gl.constexpr(2.0**-24)
 
 
-def _value_pair_asm_v2() -> str:
-    lines = [
-        "{", ".reg .b32 x, y, t, a, s, m, k, e, o;", "mov.b32 k, 0x64006400;", "mov.b32 e, 0x2C002C00;",
-        "mov.b32 o, 0xD400D400;", "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;",
-        "mov.b32 s, {$18, $19};", "mov.b32 m, {$20, $21};",
-    ]
+def _token_pair_asm(registers: str, setup: list[str], decode) -> str:
+    """PTX for two tokens' value words (``$16`` even, ``$17`` odd) -> 8 float16 pairs, outputs ``$2i``,
+    ``$2i+1`` for nibble ``i`` of each token: the words' halves paired by ``prmt``, nibbles 2-3 of each
+    half shifted down by 8, and ``decode(source, odd)`` the lines that make pair ``a`` from the register
+    holding the nibble at bits 0-3 (even ``i``) or 4-7 (odd ``i``) of each half. ``registers``: more
+    ``.reg`` names; ``setup``: lines before the pairing."""
+    lines = ["{", f".reg .b32 x, y, t, a{registers};", *setup,
+             "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;"]
     for nibble in range(8):
         source = "x" if nibble < 4 else "y"
         local = nibble % 4
@@ -453,13 +455,25 @@ def _value_pair_asm_v2() -> str:
             lines.append(f"shr.u32 t, {source}, 8;")
         if local >= 2:
             source = "t"
-        if local % 2 == 0:
-            lines += [f"lop3.b32 a, {source}, 0x000F000F, 0x64006400, 0xEA;", "sub.f16x2 a, a, k;"]
-        else:
-            lines += [f"lop3.b32 a, {source}, 0x00F000F0, 0x64006400, 0xEA;", "fma.rn.f16x2 a, a, e, o;"]
-        lines += ["fma.rn.f16x2 a, a, s, m;", f"mov.b32 {{${2 * nibble}, ${2 * nibble + 1}}}, a;"]
+        lines += [*decode(source, local % 2 == 1), f"mov.b32 {{${2 * nibble}, ${2 * nibble + 1}}}, a;"]
     lines.append("}")
     return "\n".join(lines)
+
+
+def _magic_code(source: str, odd: bool, subtract: str, scale_odd: str, offset_odd: str) -> list[str]:
+    """A nibble pair as ``1024 + code`` (``1024 + 16 code`` for odd nibbles) by ``lop3``, less ``subtract``
+    (even) or times ``scale_odd`` plus ``offset_odd`` (odd)."""
+    if odd:
+        return [f"lop3.b32 a, {source}, 0x00F000F0, 0x64006400, 0xEA;", f"fma.rn.f16x2 a, a, {scale_odd}, {offset_odd};"]
+    return [f"lop3.b32 a, {source}, 0x000F000F, 0x64006400, 0xEA;", f"sub.f16x2 a, a, {subtract};"]
+
+
+def _value_pair_asm_v2() -> str:
+    """Two tokens' words and their float16 (scale, min) -> 8 float16 pairs ``code * scale + min``."""
+    return _token_pair_asm(
+        ", s, m, k, e, o", ["mov.b32 k, 0x64006400;", "mov.b32 e, 0x2C002C00;", "mov.b32 o, 0xD400D400;",
+                           "mov.b32 s, {$18, $19};", "mov.b32 m, {$20, $21};"],
+        lambda source, odd: [*_magic_code(source, odd, "k", "e", "o"), "fma.rn.f16x2 a, a, s, m;"])
 
 
 _VALUE_PAIR_ASM_V2 = gl.constexpr(_value_pair_asm_v2())
@@ -469,18 +483,8 @@ def _value_codes_asm() -> str:
     """Two tokens' words -> 8 float16 pairs (nibble ``i`` of each token) as subnormal codes: the
     nibbles masked in place, ``code * 2**-24`` for even ``i``, ``16 code * 2**-24`` for odd ``i``
     (:func:`_codes_to_values` restores the units; the scales and minimums join the probabilities)."""
-    lines = ["{", ".reg .b32 x, y, t, a;", "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;"]
-    for nibble in range(8):
-        source = "x" if nibble < 4 else "y"
-        local = nibble % 4
-        if local == 2:
-            lines.append(f"shr.u32 t, {source}, 8;")
-        if local >= 2:
-            source = "t"
-        mask = "0x000F000F" if local % 2 == 0 else "0x00F000F0"
-        lines += [f"and.b32 a, {source}, {mask};", f"mov.b32 {{${2 * nibble}, ${2 * nibble + 1}}}, a;"]
-    lines.append("}")
-    return "\n".join(lines)
+    return _token_pair_asm("", [], lambda source, odd: [
+        f"and.b32 a, {source}, {'0x00F000F0' if odd else '0x000F000F'};"])
 
 
 _VALUE_CODES_ASM = gl.constexpr(_value_codes_asm())
@@ -558,24 +562,8 @@ mov.b32 {$3, $7}, d;
 
 def _rotated_value_pair_asm() -> str:
     """Two tokens' words and their (1024 + zp, -64 - zp) -> 8 float16 pairs ``code - zp`` (exact)."""
-    lines = [
-        "{", ".reg .b32 x, y, t, a, k, e, o;", "mov.b32 k, {$18, $19};", "mov.b32 e, 0x2C002C00;",
-        "mov.b32 o, {$20, $21};", "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;",
-    ]
-    for nibble in range(8):
-        source = "x" if nibble < 4 else "y"
-        local = nibble % 4
-        if local == 2:
-            lines.append(f"shr.u32 t, {source}, 8;")
-        if local >= 2:
-            source = "t"
-        if local % 2 == 0:
-            lines += [f"lop3.b32 a, {source}, 0x000F000F, 0x64006400, 0xEA;", "sub.f16x2 a, a, k;"]
-        else:
-            lines += [f"lop3.b32 a, {source}, 0x00F000F0, 0x64006400, 0xEA;", "fma.rn.f16x2 a, a, e, o;"]
-        lines.append(f"mov.b32 {{${2 * nibble}, ${2 * nibble + 1}}}, a;")
-    lines.append("}")
-    return "\n".join(lines)
+    return _token_pair_asm(", k, e, o", ["mov.b32 k, {$18, $19};", "mov.b32 e, 0x2C002C00;", "mov.b32 o, {$20, $21};"],
+                           lambda source, odd: _magic_code(source, odd, "k", "e", "o"))
 
 
 _ROTATED_VALUE_PAIR_ASM = gl.constexpr(_rotated_value_pair_asm())
