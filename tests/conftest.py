@@ -4,10 +4,39 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+
+# One on-disk cache of compiled executables for the whole run, shared by the
+# xdist workers (the controller makes it before they start; they inherit its
+# path): the test modules compile many of the same programs (cache builders,
+# reference paths), on both workers and again after each module clears jax's
+# in-memory caches. A JAX_COMPILATION_CACHE_DIR set by the caller is kept.
+_RUN_CACHE = "JFLASHLOOP_TEST_COMPILATION_CACHE"
+
+
+def pytest_configure(config):
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    if not hasattr(config, "workerinput") and _RUN_CACHE not in os.environ:
+        os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="jflashloop-test-jax-cache-")
+        config._jflashloop_run_cache = os.environ[_RUN_CACHE]
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ[_RUN_CACHE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_jflashloop_run_cache", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+        os.environ.pop(_RUN_CACHE, None)
 
 # Property-based tests: "ci" (the default) keeps every property module fast on
 # 2 cores; HYPOTHESIS_PROFILE=long runs many more examples. Examples are
