@@ -53,7 +53,7 @@ def chunk_of(rng, config, chunk):
     return jnp.asarray(keys), jnp.asarray(values)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 37])
+@pytest.mark.parametrize("chunk", [1, 16, 37])  # one token, one page, a chunk across pages
 def test_append_tokens_equals_single_appends(rng, chunk):
     config = small_config(page_size=16, max_pages_per_sequence=8, num_pages=64, sink_tokens=4, recent_tokens=16)
     cache, _ = build(rng, config, prompt_lengths=[20, 3, 47], steps=2)
