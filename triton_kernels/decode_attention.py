@@ -146,8 +146,8 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         at head_dim 128).
       stagger: with one stage (pipelined kernel), copy a page's keys and its
         values as two groups, each behind the other half of a page's work.
-      scaled: INT4 values as subnormal codes, their scales and minimums on the
-        probabilities (pipelined kernel); None:
+      scaled: INT4 or int4_rotated values as subnormal codes, their scales (and
+        minimums or zero points) on the probabilities (pipelined kernel); None:
         :func:`jflashloop_triton_kernels.launch.preferred_scaled_values`.
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
