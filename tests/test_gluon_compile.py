@@ -94,6 +94,16 @@ def test_pipelined_kernel_compiles_for_other_formats(format):
     assert _count(ptx, r"mma\.sync\.aligned\.m16n8k16") > 0 and _count(ptx, r"st\.shared") == 0
 
 
+def test_e2m1_nibbles_are_placed_four_at_a_time():
+    """NVFP4's decode places four nibbles' float16 high bytes with each shift-and-mask sequence (7
+    instructions for a word's 8 nibbles, then one ``prmt`` per pair), not a pair at a time (4 a pair): the
+    shifts and logic ops stay below 1.5 per scale multiply (one a float16 pair)."""
+    ptx = compile_check.compile_pages_kernel("pipelined", format="nvfp4").asm["ptx"]
+    multiplies = _count(ptx, r"mul\.rn\.f16x2")
+    assert multiplies >= 256  # keys and values of a 64-token page at head_dim 128: 8192 pairs over 32 threads
+    assert _count(ptx, r"shl\.b32|shr\.u32|lop3\.b32") <= 1.5 * multiplies
+
+
 def test_simple_kernel_uses_no_shared_memory():
     compiled = compile_check.compile_pages_kernel("simple")
     ptx = compiled.asm["ptx"]

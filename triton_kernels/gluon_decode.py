@@ -489,30 +489,43 @@ def _value_codes_asm() -> str:
 
 _VALUE_CODES_ASM = gl.constexpr(_value_codes_asm())
 
-# NVFP4: an E2M1 nibble pair (at bits 0-3 and 16-19, sign in bit 3) placed as
-# float16 bits is the value / 2**14 (0.5 as the subnormal 2**-15); x the E4M3
-# scale gives ``e2m1 * scale / 2**14`` (rounded only below float16's normal range,
-# 2**-11 of a tile scale at most); the 2**14 joins the tile's float32 scale
-# (NVFP4_UNIT), which multiplies each product.
+# NVFP4: an E2M1 nibble (sign in bit 3) placed in a float16's high byte as
+# ``sign << 7 | magnitude << 1`` (low byte 0) is the value / 2**14 (0.5 as the
+# subnormal 2**-15); x the E4M3 scale gives ``e2m1 * scale / 2**14`` (rounded only
+# below float16's normal range, 2**-11 of a tile scale at most); the 2**14 joins the
+# tile's float32 scale (NVFP4_UNIT), which multiplies each product. The high bytes of
+# four nibbles are made at once, byte by byte (``_E2M1_BYTES``: the even nibbles of a
+# word's bytes in 4 instructions, the odd ones in 3), and one ``prmt`` against zero
+# places two of them in a float16 pair.
 NVFP4_UNIT = gl.constexpr(16384.0)
-_E2M1_PAIR = """shl.b32 m, {src}, 9;
-shl.b32 s, {src}, 12;
-and.b32 s, s, 0x80008000;
-lop3.b32 a, m, 0x0E000E00, s, 0xEA;
-mul.rn.f16x2 a, a, l;
-"""
+_E2M1_BYTES = """and.b32 u, {src}, 0x0F0F0F0F;
+shl.b32 a, u, 1;
+shl.b32 b, u, 4;
+lop3.b32 u, a, b, 0x8E8E8E8E, 0xA8;
+and.b32 h, {src}, 0xF0F0F0F0;
+shr.u32 a, h, 3;
+lop3.b32 h, a, h, 0x8E8E8E8E, 0xA8;"""
+
+
+def _e2m1_placed(nibbles: list[tuple[int, int]]) -> list[str]:
+    """``_E2M1_BYTES`` made (``u``: bytes' even nibbles, ``h``: odd ones) -> float16 pairs x the scales
+    ``l``: ``(register, output even, output odd)`` for the pair of bytes 0 and 2, then of bytes 1 and 3,
+    of ``u`` then of ``h``."""
+    lines = []
+    for (low, high), (source, selector) in zip(nibbles, [("u", "0x2404"), ("u", "0x3414"), ("h", "0x2404"),
+                                                          ("h", "0x3414")], strict=True):
+        lines += [f"prmt.b32 a, {source}, z, {selector};", "mul.rn.f16x2 a, a, l;",
+                  f"mov.b32 {{${low}, ${high}}}, a;"]
+    return lines
 
 
 def _e2m1_key_asm() -> str:
     """One word and its E4M3 scale (float16) -> 8 float16 ``e2m1 * scale / 2**14`` (nibble order of the key
     codes)."""
-    lines = ["{", ".reg .b32 a, t, m, s, l;", "mov.b32 l, {$9, $9};"]
-    for pair in range(4):
-        source = "$8"
-        if pair:
-            lines.append(f"shr.u32 t, $8, {4 * pair};")
-            source = "t"
-        lines += [_E2M1_PAIR.format(src=source), f"mov.b32 {{${pair}, ${pair + 4}}}, a;"]
+    lines = ["{", ".reg .b32 u, h, a, b, l, z;", "mov.b32 l, {$9, $9};", "mov.b32 z, 0;",
+             _E2M1_BYTES.format(src="$8")]
+    # u: nibbles 0, 2, 4, 6 (bytes 0-3); h: 1, 3, 5, 7
+    lines += _e2m1_placed([(0, 4), (2, 6), (1, 5), (3, 7)])
     lines.append("}")
     return "\n".join(lines)
 
@@ -520,14 +533,11 @@ def _e2m1_key_asm() -> str:
 def _e2m1_value_pair_asm() -> str:
     """Two tokens' words and their E4M3 scales (float16) -> 8 float16 pairs ``e2m1 * scale / 2**14`` (nibble i
     of each token)."""
-    lines = ["{", ".reg .b32 x, y, t, a, m, s, l;", "mov.b32 l, {$18, $19};",
+    lines = ["{", ".reg .b32 x, y, u, h, a, b, l, z;", "mov.b32 l, {$18, $19};", "mov.b32 z, 0;",
              "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;"]
-    for nibble in range(8):
-        source, shift = ("x", 4 * nibble) if nibble < 4 else ("y", 4 * (nibble - 4))
-        if shift:
-            lines.append(f"shr.u32 t, {source}, {shift};")
-            source = "t"
-        lines += [_E2M1_PAIR.format(src=source), f"mov.b32 {{${2 * nibble}, ${2 * nibble + 1}}}, a;"]
+    for first, source in ((0, "x"), (4, "y")):  # x: nibbles 0-3 of each token (even at bits 0-15), y: 4-7
+        lines.append(_E2M1_BYTES.format(src=source))
+        lines += _e2m1_placed([(2 * (first + i), 2 * (first + i) + 1) for i in (0, 2, 1, 3)])
     lines.append("}")
     return "\n".join(lines)
 

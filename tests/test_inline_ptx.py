@@ -1,0 +1,113 @@
+"""The Gluon kernels' inline PTX, executed (tests/ptx.py) against the numpy equivalents the emulation uses.
+
+The emulated kernel tests (tests/test_gluon_decode.py) substitute a numpy
+function for each inline PTX block; these tests run each block's PTX text on
+fresh random inputs and the hard cases, and require the same bits, so that
+the emulated tests speak for the compiled kernels' decode too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests import ptx
+
+pytest.importorskip("triton.experimental.gluon")
+
+from jflashloop_triton_kernels import emulate, gluon_decode
+
+N = 4096
+
+
+def _words(rng, n=N):
+    words = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    words[:16] = [0, 0xFFFFFFFF, 0x88888888, 0x77777777, 0x11111111, 0x99999999, 0x0F0F0F0F, 0xF0F0F0F0,
+                  0x01234567, 0x89ABCDEF, 0xFEDCBA98, 0x76543210, 0x80000000, 0x00000008, 0x80808080, 0x08080808]
+    return words
+
+
+def _half(rng, low, high, n=N):
+    return rng.uniform(low, high, n).astype(np.float16)
+
+
+def _e4m3_scales(rng, n=N):
+    """Float16 values of E4M3 scales (all 127 non-negative finite codes, subnormals included)."""
+    bits = rng.integers(0, 127, n).astype(np.uint16)
+    bits[:127] = np.arange(127)
+    return ((bits << 7).view(np.float16).astype(np.float64) * 256).astype(np.float16)
+
+
+def _zero_points(rng, n=N):
+    zp = rng.integers(0, 16, n)
+    return (1024 + zp).astype(np.float16), (-64 - zp).astype(np.float16)
+
+
+def _one_hot_inputs(rng):
+    positions = rng.integers(0, 1024, (2, N)).astype(np.uint32)  # float16 subnormals' bits
+    positions[0, :64] = 0xFFFF  # a padding row's -1
+    a = positions[0] | (positions[1] << 16)
+    b = np.where(rng.random(N) < 0.5, a, _words(rng))
+    return [a, b]
+
+
+def _cases(rng):
+    scale, minimum = _half(rng, -2, 2), _half(rng, -8, 8)
+    scales = [_half(rng, 1e-3, 3) for _ in range(2)]
+    mins = [_half(rng, -4, 4) for _ in range(2)]
+    low, high = _zero_points(rng)
+    low_odd, high_odd = _zero_points(rng)
+    pair = "=h," * 16 + "r,r"
+    keys = "=h," * 8 + "r"
+    return {
+        "_KEY_CODES_ASM": (keys, [_words(rng)]),
+        "_HALVES_ASM": ("=h,=h,r", [_words(rng)]),
+        "_VALUE_PAIR_ASM": (pair + ",h,h,h,h", [_words(rng), _words(rng), *scales, *mins]),
+        "_VALUE_PAIR_ASM_V2": (pair + ",h,h,h,h", [_words(rng), _words(rng), *scales, *mins]),
+        "_VALUE_CODES_ASM": (pair, [_words(rng), _words(rng)]),
+        "_E2M1_KEY_ASM": (keys + ",h", [_words(rng), _e4m3_scales(rng)]),
+        "_E2M1_VALUE_PAIR_ASM": (pair + ",h,h", [_words(rng), _words(rng), _e4m3_scales(rng), _e4m3_scales(rng)]),
+        "_ROTATED_KEY_ASM": (keys + ",h,h", [_words(rng), low, high]),
+        "_ROTATED_VALUE_PAIR_ASM": (pair + ",h,h,h,h", [_words(rng), _words(rng), low, low_odd, high, high_odd]),
+        "_ROW_KEY_ASM": (keys + ",h,h", [_words(rng), scale, minimum]),
+        "_SCATTER_ONE_HOT_ASM": ("=h,=h,r,r", _one_hot_inputs(rng)),
+        "_GATHER_ONE_HOT_ASM": ("=h,=h,r,r", _one_hot_inputs(rng)),
+    }
+
+
+NAMES = sorted(_cases(np.random.default_rng(0)))
+
+
+def test_every_emulated_block_is_executed_here():
+    emulated = set(emulate._asm_table())
+    covered = {getattr(gluon_decode, name).value for name in NAMES}
+    assert emulated == covered
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inline_ptx_matches_its_emulation(name):
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    constraints, args = _cases(rng)[name]
+    asm = getattr(gluon_decode, name).value
+    actual = ptx.run(asm, constraints, args)
+    expected = emulate._asm_table()[asm](*args)
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        a_bits = np.asarray(a, np.float16).view(np.uint16)
+        e_bits = np.asarray(e, np.float16).view(np.uint16)
+        bad = np.flatnonzero(a_bits != e_bits)
+        first = [hex(int(np.asarray(x).reshape(-1)[bad[0]].view(np.uint16 if np.asarray(x).dtype == np.float16
+                                                               else np.uint32))) for x in args] if bad.size else []
+        assert bad.size == 0, (f"output {i}: {bad.size} of {a_bits.size} differ; first at inputs {first}: "
+                               f"{a_bits[bad[0]]:#06x} against {e_bits[bad[0]]:#06x}")
+
+
+def test_the_evaluator_can_fail():
+    """A block that drops a sign bit differs from the emulation of the block it imitates."""
+    asm = gluon_decode._E2M1_KEY_ASM.value.replace("0x8E8E8E8E", "0x0E0E0E0E", 1)
+    rng = np.random.default_rng(1)
+    args = [_words(rng), _e4m3_scales(rng)]
+    actual = ptx.run(asm, "=h," * 8 + "r,h", args)
+    expected = emulate._e2m1_keys(*args)
+    assert any((np.asarray(a).view(np.uint16) != np.asarray(e).view(np.uint16)).any()
+               for a, e in zip(actual, expected, strict=True))
