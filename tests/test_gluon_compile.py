@@ -71,18 +71,20 @@ def test_staggered_copies_need_no_more_shared_memory():
 
 
 @pytest.mark.parametrize("streams, sparse, chunk, format", [(1, (), 32, "int4"), (2, (16, 7), None, "int4"),
-                                                       (1, (), None, "int4_rotated")])
+                                                       (1, (), None, "int4_rotated"), (1, (), 32, "nvfp4")])
 def test_scaled_values_drop_the_value_decode(streams, sparse, chunk, format):
-    """INT4 values as subnormal codes against probabilities times their scales (head_dim 128, a GQA group
-    of 4; 32-token chunks of 64-token pages, and whole pages): the layouts hold, the same shared memory,
-    registers within 255, and no float16 multiply-add decodes a value pair (those left are the sparse
-    keys' and int4_rotated's keys': at most half as many)."""
-    options = dict(group=4, streams=streams, sparse=sparse, chunk=chunk, stages=2 if streams == 1 else 1,
-                   format=format, **({"window": "*fp32", "maxnreg": 255} if format == "int4_rotated" else {}))
+    """Values against probabilities times their scales (head_dim 128, a GQA group of 4, of 1 for NVFP4;
+    32-token chunks of 64-token pages, and whole pages): the layouts hold, the same shared memory,
+    registers within 255, and no float16 multiply(-add) applies a value pair's scale (those left are the
+    sparse keys' and int4_rotated's keys', NVFP4's keys': at most half as many)."""
+    options = dict(group=1 if format == "nvfp4" else 4, streams=streams, sparse=sparse, chunk=chunk,
+                   stages=2 if streams == 1 else 1, format=format,
+                   **({"window": "*fp32", "maxnreg": 255} if format == "int4_rotated" else {}))
     plain = compile_check.compile_pages_kernel("pipelined", scaled=False, **options)
     scaled = compile_check.compile_pages_kernel("pipelined", scaled=True, **options)
     assert scaled.metadata.shared == plain.metadata.shared
-    fmas = [_count(k.asm["ptx"], r"fma\.rn\.f16x2") for k in (plain, scaled)]
+    decode = r"mul\.rn\.f16x2" if format == "nvfp4" else r"fma\.rn\.f16x2"
+    fmas = [_count(k.asm["ptx"], decode) for k in (plain, scaled)]
     assert fmas[1] <= fmas[0] / 2, fmas
     assert _count(scaled.asm["ptx"], r"st\.shared") == 0
     assert compile_check.ptxas_resources(scaled.asm["ptx"], "sm_90a")["registers"] <= 255

@@ -202,16 +202,17 @@ def test_stagger_refuses_more_than_one_stage():
 
 
 @pytest.mark.parametrize("head_dim, group, loops, value_scale, format", [
-    (128, 4, 1, 1e-3, "int4"), (64, 8, 1, 1.0, "int4"), (64, 8, 1, 1.0, "int4_rotated"),
+    (128, 4, 1, 1e-3, "int4"), (64, 8, 1, 1.0, "int4"), (64, 8, 1, 1.0, "int4_rotated"), (64, 2, 1, 1.0, "nvfp4"),
     *gpu_only((128, 4, 1, 1.0, "int4"), (64, 2, 4, 1.0, "int4"), (256, 2, 2, 1.0, "int4"),
-              (128, 8, 2, 1.0, "int4_rotated"))])
+              (128, 8, 2, 1.0, "int4_rotated"), (128, 1, 1, 1e-3, "nvfp4"), (128, 1, 2, 1.0, "nvfp4"))])
 def test_values_scaled_on_the_probabilities(rng, head_dim, group, loops, value_scale, format):
     """INT4 value codes as float16 subnormals against probabilities times the value scales (the default
     where the GQA group leaves a block of columns per value group; the chain tests above take it too):
     within the reference's tolerance, like the codes decoded in registers, and not the same bits (the
     path switch changes the arithmetic). Small values (``value_scale`` 1e-3) put many scaled
     probabilities below float16's normal range. int4_rotated (one scale per token, its zero point's terms
-    beside the softmax's sums) takes the same path only when asked."""
+    beside the softmax's sums) and NVFP4 (16-channel scales: one query row at head_dim 128, two at 64; the
+    E2M1 values placed, not multiplied) take the same path only when asked."""
     config = small_config(num_loops=loops, page_size=16, head_dim=head_dim, max_pages_per_sequence=40,
                           num_pages=128, num_kv_heads=2)
     if loops == 1:  # test_gluon_kernel_matches_reference's cache
@@ -219,6 +220,8 @@ def test_values_scaled_on_the_probabilities(rng, head_dim, group, loops, value_s
     if format == "int4_rotated":
         codecs = (jflashloop.int4_rotated(head_dim, 3), jflashloop.int4_rotated(head_dim, 4))  # whole heads
         config = dataclasses.replace(config, loops=(LoopStorage(*codecs),) * loops)
+    if format == "nvfp4":
+        config = dataclasses.replace(config, loops=(LoopStorage(jflashloop.NVFP4, jflashloop.NVFP4),) * loops)
     cache, _ = build(rng, config, prompt_lengths=[37, 5, 8 * 16 + 3], steps=2, value_scale=value_scale)
     queries = jnp.asarray(rng.standard_normal((3, 2 * group, head_dim)) * 2, jnp.float32)
     loop = loops - 1
@@ -254,10 +257,14 @@ def test_where_values_can_be_scaled_on_the_probabilities():
     assert not can(2, value_group=16) and can(1, value_group=16)
     assert not can(4, lazy=True) and not can(4, row_blocks=2)
     assert not can(4, format="nvfp4") and can(8, format="int4_rotated") and not can(9, format="int4_rotated")
+    assert can(1, format="nvfp4") and not can(2, format="nvfp4") and can(2, head_dim=64, format="nvfp4")
+    assert not can(1, head_dim=256, format="nvfp4") and not can(1, format="nvfp4", sparse_loops=1)
     assert not can(4, format="int4_rotated", sparse_loops=2) and not can(4, format="int4_rotated", lazy=True)
     assert launch.preferred_scaled_values(format="int4", head_dim=128, value_group=64, group=4)
     assert (launch.preferred_scaled_values(format="int4_rotated", head_dim=128, value_group=64, group=4)
             == launch.SCALED_ROTATED)
+    assert (launch.preferred_scaled_values(format="nvfp4", head_dim=128, value_group=64, group=1)
+            == launch.SCALED_NVFP4)
 
 
 def test_merge_registers_must_be_positive():

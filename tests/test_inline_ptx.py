@@ -67,6 +67,7 @@ def _cases(rng):
         "_VALUE_CODES_ASM": (pair, [_words(rng), _words(rng)]),
         "_E2M1_KEY_ASM": (keys + ",h", [_words(rng), _e4m3_scales(rng)]),
         "_E2M1_VALUE_PAIR_ASM": (pair + ",h,h", [_words(rng), _words(rng), _e4m3_scales(rng), _e4m3_scales(rng)]),
+        "_E2M1_VALUE_CODES_ASM": (pair, [_words(rng), _words(rng)]),
         "_ROTATED_KEY_ASM": (keys + ",h,h", [_words(rng), low, high]),
         "_ROTATED_VALUE_PAIR_ASM": (pair + ",h,h,h,h", [_words(rng), _words(rng), low, low_odd, high, high_odd]),
         "_ROW_KEY_ASM": (keys + ",h,h", [_words(rng), scale, minimum]),

@@ -196,9 +196,10 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
     if scaled is None:
         scaled = stages is not None and launch.preferred_scaled_values(**where)
     elif scaled and not (stages is not None and launch.scaled_values(**where)):
-        raise ValueError("scaled values need the pipelined kernel, INT4 streams with at most 8 / (head_dim / "
-                         "value_group) query rows or int4_rotated streams without sparse loops, one row block "
-                         "and no lazy rescaling")
+        raise ValueError("scaled values need the pipelined kernel, one row block and no lazy rescaling, and "
+                         "INT4 streams with at most 8 / (head_dim / value_group) query rows, NVFP4 streams with "
+                         "at most 8 / (head_dim / 16) and no sparse loops, or int4_rotated streams without "
+                         "sparse loops")
     if stages is not None:  # the pipelined kernel: the sequence state, not the bounds
         if state is None:
             raise ValueError("the pipelined kernel reads the sequence state (lengths, active)")

@@ -188,6 +188,10 @@ def _e2m1_value_pairs(even, odd, s_even, s_odd):
     return tuple(out)
 
 
+def _e2m1_value_codes(even, odd):  # e2m1 / 2**14 (exact in float16)
+    return _e2m1_value_pairs(even, odd, np.float16(1), np.float16(1))
+
+
 def _rotated_keys(words, low, high):  # (1024 + zp, -64 - zp): codes - zp
     return tuple(_t(c - (np.asarray(low, np.float64) - 1024).astype(np.float16)) for c in _nibbles(words))
 
@@ -230,6 +234,7 @@ def _asm_table():
         gluon_decode._VALUE_CODES_ASM.value: _value_codes,
         gluon_decode._E2M1_KEY_ASM.value: _e2m1_keys,
         gluon_decode._E2M1_VALUE_PAIR_ASM.value: _e2m1_value_pairs,
+        gluon_decode._E2M1_VALUE_CODES_ASM.value: _e2m1_value_codes,
     }
 
 

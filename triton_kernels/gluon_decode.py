@@ -190,11 +190,7 @@ def _value_tile(even, odd, s_even, s_odd, m_even, m_odd, PAGE: gl.constexpr, W: 
     (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
         _VALUE_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h,h,h",
         [even, odd, s_even, s_odd, m_even, m_odd], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
-    x = _join8(gl.join(e0, o0), gl.join(e1, o1), gl.join(e2, o2), gl.join(e3, o3),
-               gl.join(e4, o4), gl.join(e5, o5), gl.join(e6, o6), gl.join(e7, o7))  # [P/2, W, e, i0, i1, i2]
-    x = gl.reshape(x, [PAGE // 2, 8, W // 8, 2, 2, 2, 2])  # (u, wt, wl, e, i0, i1, i2)
-    x = gl.permute(x, [6, 5, 4, 2, 1, 0, 3])  # (i2, i1, i0, wl, wt, u, e)
-    return gl.convert_layout(gl.reshape(x, [D, PAGE]), A_LAYOUT, assert_trivial=True)
+    return _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7, PAGE, W, D, A_LAYOUT)
 
 
 @gluon.jit
@@ -507,14 +503,14 @@ shr.u32 a, h, 3;
 lop3.b32 h, a, h, 0x8E8E8E8E, 0xA8;"""
 
 
-def _e2m1_placed(nibbles: list[tuple[int, int]]) -> list[str]:
-    """``_E2M1_BYTES`` made (``u``: bytes' even nibbles, ``h``: odd ones) -> float16 pairs x the scales
-    ``l``: ``(register, output even, output odd)`` for the pair of bytes 0 and 2, then of bytes 1 and 3,
-    of ``u`` then of ``h``."""
+def _e2m1_placed(nibbles: list[tuple[int, int]], scales: bool = True) -> list[str]:
+    """``_E2M1_BYTES`` made (``u``: bytes' even nibbles, ``h``: odd ones) -> float16 pairs (x the scales
+    ``l`` with ``scales``): ``(output low, output high)`` for the pair of bytes 0 and 2, then of bytes 1
+    and 3, of ``u`` then of ``h``."""
     lines = []
     for (low, high), (source, selector) in zip(nibbles, [("u", "0x2404"), ("u", "0x3414"), ("h", "0x2404"),
                                                           ("h", "0x3414")], strict=True):
-        lines += [f"prmt.b32 a, {source}, z, {selector};", "mul.rn.f16x2 a, a, l;",
+        lines += [f"prmt.b32 a, {source}, z, {selector};", *(["mul.rn.f16x2 a, a, l;"] if scales else []),
                   f"mov.b32 {{${low}, ${high}}}, a;"]
     return lines
 
@@ -530,20 +526,21 @@ def _e2m1_key_asm() -> str:
     return "\n".join(lines)
 
 
-def _e2m1_value_pair_asm() -> str:
+def _e2m1_value_pair_asm(scales: bool = True) -> str:
     """Two tokens' words and their E4M3 scales (float16) -> 8 float16 pairs ``e2m1 * scale / 2**14`` (nibble i
-    of each token)."""
-    lines = ["{", ".reg .b32 x, y, u, h, a, b, l, z;", "mov.b32 l, {$18, $19};", "mov.b32 z, 0;",
-             "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;"]
+    of each token); without ``scales`` (the words alone) ``e2m1 / 2**14`` (exact)."""
+    lines = ["{", ".reg .b32 x, y, u, h, a, b, l, z;", *(["mov.b32 l, {$18, $19};"] if scales else []),
+             "mov.b32 z, 0;", "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;"]
     for first, source in ((0, "x"), (4, "y")):  # x: nibbles 0-3 of each token (even at bits 0-15), y: 4-7
         lines.append(_E2M1_BYTES.format(src=source))
-        lines += _e2m1_placed([(2 * (first + i), 2 * (first + i) + 1) for i in (0, 2, 1, 3)])
+        lines += _e2m1_placed([(2 * (first + i), 2 * (first + i) + 1) for i in (0, 2, 1, 3)], scales)
     lines.append("}")
     return "\n".join(lines)
 
 
 _E2M1_KEY_ASM = gl.constexpr(_e2m1_key_asm())
 _E2M1_VALUE_PAIR_ASM = gl.constexpr(_e2m1_value_pair_asm())
+_E2M1_VALUE_CODES_ASM = gl.constexpr(_e2m1_value_pair_asm(scales=False))
 INT4 = gl.constexpr(0)
 NVFP4 = gl.constexpr(1)
 ROTATED = gl.constexpr(2)  # int4_rotated: per-token float32 scale, zero point in its 4 low mantissa bits
@@ -692,9 +689,9 @@ def _query_columns(scaled: bool, groups: int) -> int:
 
 
 @gluon.constexpr_function
-def _scale_groups(format: int, groups: int) -> int:
-    """Value scales per token: one for int4_rotated, ``NG`` for INT4."""
-    return 1 if format == 2 else groups
+def _scale_groups(format: int, head_dim: int, value_group: int) -> int:
+    """Value scales per token: one for int4_rotated, ``D / 16`` for NVFP4, ``NG`` for INT4."""
+    return {0: head_dim // value_group, 1: head_dim // 16, 2: 1}[format]
 
 
 @gluon.constexpr_function
@@ -949,11 +946,7 @@ def _value_tile_v2(tile, scale, minimum, PAGE: gl.constexpr, W: gl.constexpr, D:
     (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
         _VALUE_PAIR_ASM_V2, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h,h,h",
         [even, odd, s_even, s_odd, m_even, m_odd], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
-    x = _join8(gl.join(e0, o0), gl.join(e1, o1), gl.join(e2, o2), gl.join(e3, o3),
-               gl.join(e4, o4), gl.join(e5, o5), gl.join(e6, o6), gl.join(e7, o7))  # [P/2, NG, W/NG, e, i0, i1, i2]
-    x = gl.reshape(x, [PAGE // 2, 8, W // 8, 2, 2, 2, 2])  # (u, wt, wl, e, i0, i1, i2)
-    x = gl.permute(x, [6, 5, 4, 2, 1, 0, 3])  # (i2, i1, i0, wl, wt, u, e)
-    return gl.convert_layout(gl.reshape(x, [D, PAGE]), A_LAYOUT, assert_trivial=True)
+    return _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7, PAGE, W, D, A_LAYOUT)
 
 
 @gluon.jit
@@ -1001,11 +994,18 @@ def _nvfp4_value_tile(tile, scale_bytes, PAGE: gl.constexpr, W: gl.constexpr, D:
     (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
         _E2M1_VALUE_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h",
         [even, odd, s_even, s_odd], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
-    x = _join8(gl.join(e0, o0), gl.join(e1, o1), gl.join(e2, o2), gl.join(e3, o3),
-               gl.join(e4, o4), gl.join(e5, o5), gl.join(e6, o6), gl.join(e7, o7))
-    x = gl.reshape(x, [PAGE // 2, 8, W // 8, 2, 2, 2, 2])
-    x = gl.permute(x, [6, 5, 4, 2, 1, 0, 3])
-    return gl.convert_layout(gl.reshape(x, [D, PAGE]), A_LAYOUT, assert_trivial=True)
+    return _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7, PAGE, W, D, A_LAYOUT)
+
+
+@gluon.jit
+def _e2m1_value_codes(words, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """NVFP4 value words uint32 ``[PAGE, W]`` -> ``V^T [D, PAGE]`` float16 ``e2m1 / 2**14`` (exact; their
+    scales on the probabilities) in ``A_LAYOUT``."""
+    even, odd = gl.split(gl.permute(gl.reshape(words, [PAGE // 2, 2, W]), [0, 2, 1]))
+    (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
+        _E2M1_VALUE_CODES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r", [even, odd],
+        dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    return _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7, PAGE, W, D, A_LAYOUT)
 
 
 @gluon.constexpr_function
@@ -1126,24 +1126,35 @@ def _value_codes(words, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, A_
 
 
 @gluon.jit
+def _scaled_weights(weights, scale, NG: gl.constexpr, K: gl.constexpr):
+    """float32 ``weights [8, K]`` (row ``n``: query row ``n % GP`` of scale group ``n // GP``) times the K
+    tokens' ``scale [NG, K]`` (float16, in the slice layout of ``weights`` reshaped ``[NG, GP, K]``):
+    float32 ``[NG, GP, K]``."""
+    return gl.reshape(weights, [NG, 8 // NG, K]) * gl.expand_dims(scale.to(gl.float32), 1)
+
+
+@gluon.jit
 def _scaled_probabilities(weights, scale, minimum, NG: gl.constexpr, K: gl.constexpr):
     """float32 ``weights [8, K]`` (row ``n``: query row ``n % GP`` of value group ``n // GP``) and the K
     tokens' value ``scale``, ``minimum`` ``[NG, K]`` (float16, in the slice layout of ``weights``
     reshaped ``[NG, GP, K]``) -> (``weights * scale`` float16 ``[8, K]``, per-thread partial sums of
     ``weights * min`` ``[8, 8]`` as :func:`_lane_sums` gives them)."""
+    scaled = gl.reshape(_scaled_weights(weights, scale, NG, K), [8, K]).to(gl.float16)
     w = gl.reshape(weights, [NG, 8 // NG, K])
-    scaled = gl.reshape(w * gl.expand_dims(scale.to(gl.float32), 1), [8, K]).to(gl.float16)
     return scaled, _lane_sums(gl.reshape(w * gl.expand_dims(minimum.to(gl.float32), 1), [8, K]), K)
 
 
 @gluon.jit
-def _codes_to_values(acc, mins, D: gl.constexpr, W: gl.constexpr, MMA: gl.constexpr):
+def _codes_to_values(acc, mins, D: gl.constexpr, W: gl.constexpr, MMA: gl.constexpr, FORMAT: gl.constexpr):
     """``acc [D, 8]`` of subnormal codes times scaled probabilities and the minimums' per-thread sums
     ``[8, 8]`` -> ``acc`` in values: each row's units restored (x 2**24, or 2**20 for odd nibbles:
     logical row ``m`` holds nibble ``m // W``; both over the probabilities' ``2**SCALED_HEADROOM_LOG2``),
-    each column's minimum term added."""
-    m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    each column's minimum term added. NVFP4's products are in values already (their pages' tile scales
+    restore the E2M1 unit): only the probabilities' factor is taken out."""
     HEADROOM: gl.constexpr = 1.0 / (1 << SCALED_HEADROOM_LOG2)  # the probabilities' factor (_chunk_weights)
+    if FORMAT == NVFP4:
+        return acc * HEADROOM
+    m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
     units = (1.0 + 15.0 * (((m // W) & 1) == 0).to(gl.float32)) * (1048576.0 * HEADROOM)
     column_mins = gl.convert_layout(gl.sum(mins, axis=1), gl.SliceLayout(0, MMA)) * HEADROOM
     return acc * gl.expand_dims(units, 1) + gl.expand_dims(column_mins, 0)
@@ -1410,10 +1421,20 @@ def _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE
                                           CHUNK, W, D, A_OP)
             acc = mma_v2(values, p_scaled, acc)
     elif FORMAT == NVFP4:
-        VB: gl.constexpr = _value_meta_layout(CHUNK, D // 16, D, 16)
-        scale_bytes = vs_s.index(stage).reshape([PAGE, D // 16]).slice(c * CHUNK, CHUNK, 0).load(VB)
-        values = _nvfp4_value_tile(words, scale_bytes, CHUNK, W, D, A_OP)
-        acc = acc + terms[1] * mma_v2(values, p_t, gl.zeros_like(acc))
+        SG: gl.constexpr = D // 16
+        if SCALED:  # the chunk's E4M3 scales [CHUNK, SG], transposed in registers to [SG, CHUNK], on the weights
+            GL: gl.constexpr = gl.SliceLayout(1, gl.reshape(weights, [SG, 8 // SG, CHUNK]).type.layout)
+            GT: gl.constexpr = _transposed(gl.to_linear_layout(GL, [SG, CHUNK]))
+            scale_bytes = vs_s.index(stage).reshape([PAGE, SG]).slice(c * CHUNK, CHUNK, 0).load(GT)
+            scale = gl.convert_layout(gl.permute(_e4m3_to_float16(scale_bytes), [1, 0]), GL, assert_trivial=True)
+            scaled = gl.reshape(_scaled_weights(weights, scale, SG, CHUNK), [8, CHUNK]).to(gl.float16)
+            p_scaled = gl.convert_layout(gl.permute(scaled, [1, 0]), B_OP, assert_trivial=True)
+            acc = acc + terms[1] * mma_v2(_e2m1_value_codes(words, CHUNK, W, D, A_OP), p_scaled, gl.zeros_like(acc))
+        else:
+            VB: gl.constexpr = _value_meta_layout(CHUNK, SG, D, 16)
+            scale_bytes = vs_s.index(stage).reshape([PAGE, SG]).slice(c * CHUNK, CHUNK, 0).load(VB)
+            values = _nvfp4_value_tile(words, scale_bytes, CHUNK, W, D, A_OP)
+            acc = acc + terms[1] * mma_v2(values, p_t, gl.zeros_like(acc))
     else:
         scale = vs_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS)
         minimum = vm_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS)
@@ -1626,12 +1647,11 @@ def int4_pages_kernel_v2(
     slots, 8, D]``."""
     W: gl.constexpr = D // 8
     NG: gl.constexpr = D // GV
-    SG: gl.constexpr = _scale_groups(FORMAT, NG)  # value scales per token
+    SG: gl.constexpr = _scale_groups(FORMAT, D, GV)  # value scales per token
     GP: gl.constexpr = _query_columns(SCALED, SG)  # columns of the value products per scale group
-    gl.static_assert((not SCALED) | (((FORMAT == INT4) | ((FORMAT == ROTATED) & (SPARSE == 0))) & (GROUP <= GP)
-                                     & (not LAZY) & (RB == 1)),
-                     "SCALED reads INT4 or int4_rotated values (no sparse loops), GROUP * NG <= 8 query rows "
-                     "(int4: NG value groups), no LAZY, one row block")
+    gl.static_assert((not SCALED) | (((FORMAT == INT4) | (SPARSE == 0)) & (GROUP <= GP) & (not LAZY) & (RB == 1)),
+                     "SCALED reads INT4 values, or NVFP4 or int4_rotated values without sparse loops; "
+                     "GROUP * SG <= 8 query rows (SG value scales a token); no LAZY, one row block")
     TO_SCORES: gl.constexpr = 1.0 / KEY_UNIT if FORMAT == INT4 else 1.0  # a page's products -> scores
     MMA: gl.constexpr = _mma()
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -1915,7 +1935,7 @@ def int4_pages_kernel_v2(
     async_copy.wait_group(0)
     total = gl.sum(sums, axis=1)
     if SCALED:  # before the windows, whose values are plain
-        acc = _codes_to_values(acc, mins, D, W, MMA)
+        acc = _codes_to_values(acc, mins, D, W, MMA, FORMAT)
         total = total * (1.0 / (1 << SCALED_HEADROOM_LOG2))
 
     if WINDOWS:

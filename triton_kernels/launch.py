@@ -36,28 +36,34 @@ OVERLAP_STAGES = 3  # the overlapped loop keeps a page in flight besides the two
 STAGGER = True  # one stage (chains): keys and values as two copy groups (gluon_decode; bench/KERNEL_NOTES.md)
 
 
-SCALED_ROTATED = False  # int4_rotated values on the probabilities by default (gluon_decode; not yet timed on a GPU)
+SCALED_ROTATED = False  # int4_rotated values on the probabilities by default (gluon_decode; no faster on the H200)
+SCALED_NVFP4 = False  # NVFP4 values on the probabilities by default (gluon_decode)
 
 
 def scaled_values(*, format: str, head_dim: int, value_group: int, group: int, row_blocks: int = 1,
                   lazy: bool = False, sparse_loops: int = 0) -> bool:
-    """Whether the pipelined kernel can read INT4 or int4_rotated values as subnormal codes with their
-    scales (and INT4's minimums, int4_rotated's zero points) on the probabilities (``gluon_decode``,
-    ``SCALED``): a GQA group of at most ``8 / (head_dim / value_group)`` query rows for INT4 (each value
-    group takes a block of the products' 8 columns; int4_rotated has one scale per token), one row block,
-    no lazy rescaling (whose probabilities reach 2**8: times a float16 scale they could overflow), and for
-    int4_rotated no sparse loops (their INT4 rows have groups)."""
+    """Whether the pipelined kernel can read values with their scales on the probabilities
+    (``gluon_decode``, ``SCALED``): INT4 and int4_rotated values as subnormal codes (with INT4's
+    minimums, int4_rotated's zero points beside the softmax sums), NVFP4's as plain E2M1. Each of a
+    token's value scales takes a block of the products' 8 columns: a GQA group of at most ``8 /
+    (head_dim / value_group)`` query rows for INT4, ``8 / (head_dim / 16)`` for NVFP4 (one at head_dim
+    128), 8 for int4_rotated (one scale per token); one row block; no lazy rescaling (whose probabilities
+    reach 2**8: times a float16 scale they could overflow); and for NVFP4 and int4_rotated no sparse
+    loops (their INT4 rows have groups of their own)."""
     if lazy or row_blocks != 1:
         return False
     if format == "int4_rotated":
         return sparse_loops == 0 and group <= 8
+    if format == "nvfp4":
+        return sparse_loops == 0 and head_dim <= 128 and group * (head_dim // 16) <= 8
     return format == "int4" and value_group <= head_dim and group * (head_dim // value_group) <= 8
 
 
 def preferred_scaled_values(**where) -> bool:
-    """The pipelined kernel's default: :func:`scaled_values` (same arguments) for INT4, and for
-    int4_rotated where :data:`SCALED_ROTATED` says so."""
-    return scaled_values(**where) and (where["format"] == "int4" or SCALED_ROTATED)
+    """The pipelined kernel's default: :func:`scaled_values` (same arguments) for INT4, for int4_rotated
+    where :data:`SCALED_ROTATED` says so and for NVFP4 where :data:`SCALED_NVFP4` does."""
+    preferred = {"int4": True, "int4_rotated": SCALED_ROTATED, "nvfp4": SCALED_NVFP4}[where["format"]]
+    return preferred and scaled_values(**where)
 
 
 def padded_sparse_rows(rows: int) -> int:
