@@ -58,9 +58,9 @@ the jax version), a PNG plot of tokens/s against context per cache
 (``--plot``; needs matplotlib), progress on stderr (tqdm if installed) and
 one line per measurement on stdout. The report is rewritten after every
 measurement, so a run stopped early keeps what it measured; the work runs in
-priority order (the issue's target shapes, capacity, breakdown, trace, then
-the rest of the grid) and stops starting new work after ``--time-budget``
-seconds.
+priority order (the issue's target shapes where the grid or the breakdown is
+asked for, capacity, breakdown, trace, then the rest of the grid) and stops
+starting new work after ``--time-budget`` seconds.
 
 Usage:
   python bench/end_to_end.py --out bench/E2E.md --plot e2e.png --trace /tmp/trace   # GPU, ~8 min
@@ -486,9 +486,10 @@ def plan(args, all_models: dict[str, Model]) -> list[tuple]:
     """The run's work in priority order: ``(kind, model, cache, batch, context[, variant])``."""
     chosen = [all_models[name] for name in args.models]
     work = []
-    for model in chosen:  # the issue's target shapes first
-        for cache in CACHES:
-            work.append(("grid", model, cache, *model.focus))
+    if {"grid", "breakdown"} & set(args.parts):  # the issue's target shapes first (the breakdown's full step)
+        for model in chosen:
+            for cache in CACHES:
+                work.append(("grid", model, cache, *model.focus))
     if "capacity" in args.parts:
         for model in chosen:
             for cache in CACHES:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -222,3 +223,23 @@ def test_bench_quick_run(tmp_path):
     assert (tmp_path / "trace.tar.gz").exists() and not trace.exists()
     if importlib.util.find_spec("matplotlib") is not None:
         assert picture.stat().st_size > 0
+
+
+def test_bench_plan_runs_only_the_parts_asked_for():
+    """The capacity view alone does not wait behind the target shapes' rows; the breakdown keeps them (its
+    full step is theirs)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import end_to_end
+    finally:
+        sys.path.remove(str(BENCH))
+    all_models = end_to_end.models(quick=True)
+
+    def kinds(*parts):
+        args = types.SimpleNamespace(models=["smollm2"], parts=list(parts), batches=[2], contexts=[120],
+                                     capacity_context=120, trace=None)
+        return [work[0] for work in end_to_end.plan(args, all_models)]
+
+    assert set(kinds("capacity")) == {"capacity"}
+    assert kinds("breakdown")[:2] == ["grid", "grid"] and "breakdown" in kinds("breakdown")
+    assert "grid" in kinds("grid")
