@@ -37,7 +37,7 @@ STAGGER = True  # one stage (chains): keys and values as two copy groups (gluon_
 
 
 SCALED_ROTATED = False  # int4_rotated values on the probabilities by default (gluon_decode; no faster on the H200)
-SCALED_NVFP4 = False  # NVFP4 values on the probabilities by default (gluon_decode)
+SCALED_NVFP4 = False  # NVFP4 values on the probabilities by default (gluon_decode; no faster on the H200)
 
 
 def scaled_values(*, format: str, head_dim: int, value_group: int, group: int, row_blocks: int = 1,
