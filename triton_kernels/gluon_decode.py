@@ -1632,10 +1632,11 @@ def int4_pages_kernel_v2(
     next page's keys while this page's softmax and values are made, its
     values while the next page's scores are (the same shared memory as one
     plain stage, which waits for each page's whole copy before any work).
-    ``SCALED`` (INT4 with ``GROUP * NG <= 8``, or int4_rotated without
-    sparse loops; no ``LAZY``, one row block) puts the value scales (and
-    minimums or zero points) on the probabilities and the value codes into
-    the products as float16 subnormals (see :func:`_value_codes`).
+    ``SCALED`` (INT4 with ``GROUP * NG <= 8``, NVFP4 with ``GROUP * D / 16
+    <= 8``, or int4_rotated; the last two without sparse loops; no ``LAZY``,
+    one row block) puts the value scales (and minimums or zero points) on
+    the probabilities and the value codes into the products as float16
+    subnormals (see :func:`_value_codes`; NVFP4's as ``e2m1 / 2**14``).
 
     The query ``q_ptr`` here is the caller's ``[S, H * GROUP, D]`` (float32,
     bfloat16 or float16, natural channel order, not padded): the kernel
