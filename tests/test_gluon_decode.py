@@ -187,10 +187,11 @@ def test_overlap_is_the_default_for_int4_at_head_dim_256(rng, monkeypatch):
 
 
 def test_overlap_refuses_chains():
-    config = small_config(num_loops=2, page_size=16, head_dim=64, max_pages_per_sequence=8, num_pages=32)
-    cache, _ = build(np.random.default_rng(0), config, prompt_lengths=[40], steps=1)
+    # test_gluon_kernel_dense_residual_chain[16]'s cache shapes: its compiled builder serves here too
+    config = small_config(num_loops=2, page_size=16, head_dim=64, max_pages_per_sequence=40, num_pages=128)
+    cache, _ = build(np.random.default_rng(0), config, prompt_lengths=[89, 3, 32], steps=2)
     with pytest.raises(ValueError, match="one dense stream"):
-        gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0, loop=1, version=7)
+        gluon_attention(jnp.ones((3, 8, 64), jnp.float32), cache, 1, loop=1, version=7)
 
 
 def test_stagger_refuses_more_than_one_stage():
