@@ -1,9 +1,10 @@
-"""The Gluon kernels' inline PTX, executed (tests/ptx.py) against the numpy equivalents the emulation uses.
+"""The kernels' inline PTX, executed (tests/ptx.py) against the arithmetic the CPU tests use instead.
 
-The emulated kernel tests (tests/test_gluon_decode.py) substitute a numpy
-function for each inline PTX block; these tests run each block's PTX text on
-fresh random inputs and the hard cases, and require the same bits, so that
-the emulated tests speak for the compiled kernels' decode too.
+The emulated Gluon kernel tests (tests/test_gluon_decode.py) substitute a
+numpy function for each inline PTX block, and the Pallas kernel in interpret
+mode decodes with jax.numpy where compiled it runs PTX; these tests run each
+block's PTX text on fresh random inputs and the hard cases, and require the
+same bits, so that the CPU tests speak for the compiled kernels' decode too.
 """
 
 from __future__ import annotations
@@ -114,3 +115,31 @@ def test_the_evaluator_can_fail():
     expected = emulate._e2m1_keys(*args)
     assert any((np.asarray(a).view(np.uint16) != np.asarray(e).view(np.uint16)).any()
                for a, e in zip(actual, expected, strict=True))
+
+
+def _pallas_cases(rng):
+    """The Pallas kernel's blocks (compiled only, float16 products): name -> (extra inputs, expected planes)."""
+    from jflashloop_pallas_kernels import decode_attention as pallas
+
+    words = _words(rng)
+    scale, minimum = _half(rng, -2, 2), _half(rng, -8, 8)
+    e4m3 = _e4m3_scales(rng)
+    return {
+        "_CODES_ASM": (pallas._CODES_ASM, [], emulate._key_codes(words)),
+        "_DEQUANTIZE_ASM": (pallas._DEQUANTIZE_ASM, [scale, minimum], emulate._row_keys(words, scale, minimum)),
+        "_E2M1_ASM": (pallas._E2M1_ASM, [e4m3],  # e2m1 * scale, exact in float16
+                      tuple((v * e4m3.astype(np.float64)).astype(np.float16) for v in emulate._e2m1(words))),
+    }, words
+
+
+@pytest.mark.parametrize("name", ["_CODES_ASM", "_DEQUANTIZE_ASM", "_E2M1_ASM"])
+def test_pallas_inline_ptx_matches_its_interpret_arithmetic(name):
+    """The Pallas kernel decodes with these blocks only compiled (interpret mode computes the same values
+    with jax.numpy): nibble ``i`` of each word as ``code``, ``code * scale + min`` (one rounding) and
+    ``e2m1 * scale``."""
+    cases, words = _pallas_cases(np.random.default_rng(zlib.crc32(name.encode())))
+    asm, extra, expected = cases[name]
+    actual = ptx.run(asm, "=h," * 8 + "r" + ",h" * len(extra), [words, *extra])
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        a_bits, e_bits = np.asarray(a).view(np.uint16), np.asarray(e, np.float16).view(np.uint16)
+        assert (a_bits == e_bits).all(), (name, i, int((a_bits != e_bits).sum()))
