@@ -1,9 +1,9 @@
-"""A small evaluator of the inline PTX the Gluon kernels carry, on numpy arrays.
+"""A small evaluator of the inline PTX the Gluon and Pallas kernels carry, on numpy arrays.
 
-It runs the PTX text itself (not a transcription), so that the numpy
-equivalents the emulation substitutes for each block
-(``jflashloop_triton_kernels.emulate``) can be checked against what the GPU
-executes. It knows the instructions those blocks use: ``mov.b32`` (immediates,
+It runs the PTX text itself (not a transcription), so that what the CPU tests
+use instead of each block (the emulation's numpy equivalents,
+``jflashloop_triton_kernels.emulate``; the Pallas kernel's interpret-mode
+arithmetic) can be checked against what the GPU executes. It knows the instructions those blocks use: ``mov.b32`` (immediates,
 registers, packing and splitting ``{lo, hi}``), ``shl.b32``, ``shr.u32``,
 ``and.b32``, ``lop3.b32``, ``prmt.b32`` (default mode), ``sub.f16x2``,
 ``mul.rn.f16x2``, ``fma.rn.f16x2``, ``set.eq.u32.f16x2`` and

@@ -204,13 +204,19 @@ def test_smollm2_real_weights_loop_matches_reference_decoding():
     assert tokenizer.decode(generated.tolist()).strip().startswith("Rome")
 
 
-def test_bench_quick_run(tmp_path):
-    """``bench/end_to_end.py --quick`` runs every part (one model, to keep the test short) and writes its files."""
+def _bench_module():
+    """``bench/end_to_end.py`` as a module."""
     sys.path.insert(0, str(BENCH))
     try:
         import end_to_end
     finally:
         sys.path.remove(str(BENCH))
+    return end_to_end
+
+
+def test_bench_quick_run(tmp_path):
+    """``bench/end_to_end.py --quick`` runs every part (one model, to keep the test short) and writes its files."""
+    end_to_end = _bench_module()
     out, picture, trace = tmp_path / "E2E.md", tmp_path / "e2e.png", tmp_path / "trace"
     assert end_to_end.main(["--quick", "--models", "smollm2", "--out", str(out), "--plot", str(picture),
                             "--trace", str(trace)]) == 0
@@ -228,11 +234,7 @@ def test_bench_quick_run(tmp_path):
 def test_bench_plan_runs_only_the_parts_asked_for():
     """The capacity view alone does not wait behind the target shapes' rows; the breakdown keeps them (its
     full step is theirs)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import end_to_end
-    finally:
-        sys.path.remove(str(BENCH))
+    end_to_end = _bench_module()
     all_models = end_to_end.models(quick=True)
 
     def kinds(*parts):
