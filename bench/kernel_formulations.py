@@ -132,6 +132,25 @@ def formulation(name, loop=0, pages_only=False):
     return run
 
 
+def use_rotation(kind):
+    """Route the fused call's query, window and output rotations (``jflashloop.ops._decode_attention``)
+    through ``kind``: ``matrix`` (the library's: one float32 product with the rotation matrix, precision
+    HIGHEST), ``butterfly`` (the codecs' exact butterflies) or ``reduce`` (the product as a broadcast
+    multiply and a sum)."""
+    from jflashloop.codecs import _rotated
+    from jflashloop.ops import _decode_attention
+
+    if kind == "matrix":
+        return
+
+    def apply(x, seed, *, inverse=False):
+        if kind == "butterfly":
+            return (_rotated.unrotate if inverse else _rotated.rotate)(x, seed)
+        return jnp.sum(x[..., :, None] * _rotated.rotation_matrix(seed, x.shape[-1], inverse), axis=-2)
+
+    _decode_attention.rotate_by_product = apply
+
+
 def device_ms(function, queries, argument_sets, repeats=48):
     """ms per call with Python dispatch out of the way: ``repeats`` calls (distinct queries, rotated
     argument sets) inside one jitted function, median over 5 runs."""
@@ -188,7 +207,7 @@ class Timeline:
         return max((t for _, t in self.kernels), default=0.0)
 
     def __str__(self):
-        parts = ", ".join(f"{name[:40]} {t:.1f}" for name, t in self.kernels[:6])
+        parts = ", ".join(f"{name[:40]} {t:.1f}" for name, t in self.kernels if t >= 0.05)
         return (f"{self.span:.1f} us span, {self.busy:.1f} us busy, {self.count:.1f} kernels per call; "
                 f"us per call: {parts}")
 
@@ -277,7 +296,11 @@ def main() -> int:
                              "call (first kernel's start to last one's end, without the jitted function's own "
                              "launch), its ratio to cuDNN's and the largest kernel's time as columns, each "
                              "kernel's time under the row")
+    parser.add_argument("--rotation", default="matrix", choices=("matrix", "butterfly", "reduce"),
+                        help="how int4_rotated's query, windows and output are rotated around the kernel "
+                             "(use_rotation)")
     args = parser.parse_args()
+    use_rotation(args.rotation)
     if jax.default_backend() != "gpu":
         print("needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -119,6 +119,29 @@ def test_rotation_is_orthonormal_and_signs_are_seeded(rng):
     assert rotated_codecs.random_signs(5, 128).tolist() == oracle.random_signs(5, 128)
 
 
+@pytest.mark.parametrize("dim", [1, 2, 64, 128, 256])
+@pytest.mark.parametrize("seed", [None, 5])
+def test_rotation_by_product_matches_the_butterflies(rng, dim, seed):
+    x = rng.standard_normal((4, 3, dim)).astype(np.float32)
+    x[0, 0] = 0.0
+    x[1, 0, :] = 2.0**60  # the int4_rotated input limit's neighbourhood stays finite
+    x[2, 1, ::2] *= 1e4  # outlier channels
+    for inverse, butterflies in ((False, rotated_codecs.rotate), (True, rotated_codecs.unrotate)):
+        got = np.asarray(rotated_codecs.rotate_by_product(jnp.asarray(x), seed, inverse=inverse))
+        want = np.asarray(butterflies(jnp.asarray(x), seed), np.float64)
+        assert got.dtype == np.float32 and got.shape == x.shape
+        norm = np.linalg.norm(want, axis=-1, keepdims=True)
+        assert np.all(np.abs(got - want) <= 2e-6 * np.maximum(norm, 1e-30)), (inverse, np.abs(got - want).max())
+    matrix = rotated_codecs.rotation_matrix(seed, dim)
+    np.testing.assert_allclose(matrix @ rotated_codecs.rotation_matrix(seed, dim, True), np.eye(dim), atol=1e-6)
+    assert not matrix.flags.writeable
+
+
+def test_rotation_matrix_refuses_other_lengths():
+    with pytest.raises(ValueError, match="power-of-two"):
+        rotated_codecs.rotation_matrix(None, 96)
+
+
 def test_storage_per_head_token():
     # rk2v4-e8 at head_dim 256: K 64 code bytes + 4 float16 scales, V 128 + 4 scales = 208 bytes.
     for dim, expected in ((256, 208), (128, 104), (64, 52)):

@@ -56,7 +56,7 @@ for stage in "$@"; do
              --names "${BENCH_NAMES:-pallas,public,gluon2-s2w-mx,gluon2-s2w-mg,gluon2-s2w-mx-n1,gluon2-s2w-x}" ;;
     gluonformats) for spec in ${FORMATS_SPECS:-nvfp4:1 int4_rotated:1 int4:2 int4:4}; do
                run_stage "formats-${spec/:/-loop}" "${FORMATS_LIMIT:-120}" python3 bench/kernel_formulations.py --device-time \
-                 --shapes 0,1 --repeats "${BENCH_REPEATS:-48}" ${BENCH_TIMELINE:+--timeline "$BENCH_TIMELINE"} --value-format "${spec%%:*}" --loops "${spec##*:}" --names "${FORMATS_NAMES:-pallas,gluon2-s2w,gluon2-s2w-m}"
+                 --shapes 0,1 --repeats "${BENCH_REPEATS:-48}" ${BENCH_TIMELINE:+--timeline "$BENCH_TIMELINE"} --value-format "${spec%%:*}" --loops "${spec##*:}" --names "${FORMATS_NAMES:-pallas,gluon2-s2w,gluon2-s2w-m}" ${FORMATS_ARGS:-}
              done ;;
     ncugluon) profiled=${NCU_FORMULATIONS:-gluon2-s2,gluon2-s4}
              run_stage ncugluon 150 ncu --clock-control none -k regex:int4_pages \

@@ -24,6 +24,8 @@ from ._packed import pack_triplets as pack_triplets
 from ._packed import unpack_nibbles as unpack_nibbles
 from ._packed import unpack_triplets as unpack_triplets
 from ._rotated import rotate as rotate
+from ._rotated import rotate_by_product as rotate_by_product
+from ._rotated import rotation_matrix as rotation_matrix
 from ._rotated import unrotate as unrotate
 from ._spec import E8_KEYS as E8_KEYS
 from ._spec import INT4_GROUP_ROTATED_VALUES as INT4_GROUP_ROTATED_VALUES
@@ -54,6 +56,8 @@ __all__ = [
     "pack_nibbles",
     "pack_triplets",
     "rotate",
+    "rotate_by_product",
+    "rotation_matrix",
     "unpack_nibbles",
     "unpack_triplets",
     "unrotate",

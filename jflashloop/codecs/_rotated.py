@@ -122,6 +122,41 @@ def unrotate(y: jax.Array, seed: int | None) -> jax.Array:
     return x if seed is None else x * random_signs(seed, dim)
 
 
+@functools.cache
+def rotation_matrix(seed: int | None, dim: int, inverse: bool = False) -> np.ndarray:
+    """float32 ``[dim, dim]`` ``M`` (read-only) with ``x @ M`` = :func:`rotate` ``(x, seed)`` in exact
+    arithmetic (:func:`unrotate` with ``inverse``): ``signs_i H_ij / sqrt(dim)`` (``H_ij sign_j / sqrt(dim)``),
+    ``H`` the Sylvester-ordered Hadamard matrix the butterflies apply.
+
+    Raises:
+      ValueError: ``dim`` is not a power of two.
+    """
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"the Hadamard transform needs a power-of-two length, got {dim}")
+    hadamard = np.ones((1, 1), np.float64)
+    while hadamard.shape[0] < dim:
+        hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
+    signs = np.ones(dim) if seed is None else random_signs(seed, dim).astype(np.float64)
+    matrix = hadamard * signs[None, :] if inverse else signs[:, None] * hadamard
+    matrix = (matrix / math.sqrt(dim)).astype(np.float32)
+    matrix.setflags(write=False)
+    return matrix
+
+
+def rotate_by_product(x: jax.Array, seed: int | None, *, inverse: bool = False) -> jax.Array:
+    """:func:`rotate` (:func:`unrotate` with ``inverse``) of float32 ``x [..., D]`` as one float32 matrix
+    product with :func:`rotation_matrix` (precision HIGHEST): float32 ``[..., D]``.
+
+    Not bit-exact with the butterflies (the product sums in its own order; the two differ by float32
+    rounding, within ``2e-6`` of the row's norm). For the fused kernels' queries, windows and outputs,
+    which no oracle fixes bit for bit: XLA makes it one GEMM where the butterflies become a chain of
+    fusions and slices around the kernel (H200, ``bench/RESULTS.md``: int4_rotated's whole call 45.5
+    against 54.6 us of GPU time at B1 Hq16 Hkv16 T64K). Encoding keeps :func:`rotate`.
+    """
+    matrix = rotation_matrix(seed, x.shape[-1], inverse)
+    return jnp.matmul(x, matrix, precision=jax.lax.Precision.HIGHEST)
+
+
 def _pack_crumbs(codes: jax.Array) -> jax.Array:
     """uint8 2-bit codes ``[..., C]`` (C % 4 == 0) -> ``[..., C / 4]``, channel ``4b + i`` in bits ``2i``."""
     quads = codes.reshape(*codes.shape[:-1], -1, 4).astype(jnp.uint8)

@@ -30,7 +30,7 @@ from ..cache._chunks import check_counts, chunk_window_values
 from ..cache._inspect import reconstruct, sequence_regions
 from ..cache._layout import PagedKVCache
 from ..cache._state import write_token
-from ..codecs import rotate
+from ..codecs import rotate_by_product
 from . import _dispatch
 from ._decode_attention import (
     check_gluon_runs,
@@ -224,9 +224,9 @@ def _gluon(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, co
     own_k = chunk_window_values(cache, keys)[0].astype(jnp.float32)  # [S, C, H, D]
     own_v = chunk_window_values(cache, values)[0].astype(jnp.float32)
     if plan.key_seed is not None:
-        own_k = rotate(own_k, plan.key_seed)
+        own_k = rotate_by_product(own_k, plan.key_seed)
     if value_seed is not None:
-        own_v = rotate(own_v, value_seed)
+        own_v = rotate_by_product(own_v, value_seed)
     q = flat.astype(jnp.float32).reshape(sequences, heads, rows, head_dim) * (scale * LOG2_E)
     logits = jnp.einsum("shrd,schd->shrc", q, own_k, precision=jax.lax.Precision.HIGHEST)
     position = jnp.arange(rows) // group  # chunk index of each query row

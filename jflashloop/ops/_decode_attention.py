@@ -43,7 +43,7 @@ from ..cache._config import CacheConfig
 from ..cache._inspect import reconstruct, sequence_regions
 from ..cache._layout import PagedKVCache, PagedStream
 from ..cache._regions import regions, stored_pages, visible_tokens
-from ..codecs import CodecSpec, rotate, unrotate
+from ..codecs import CodecSpec, rotate_by_product
 from . import _dispatch
 
 FUSED_FORMATS = pallas_decode.FUSED_FORMATS
@@ -265,15 +265,17 @@ def rotated_inputs(queries, cache: PagedKVCache, loop: int, inputs: dict, plan: 
             array = windows[name]
             if array is not None:
                 array = array[loop:loop + 1]
-                windows[name] = rotate(array.astype(jnp.float32), seed) if seed is not None else array
+                windows[name] = rotate_by_product(array.astype(jnp.float32), seed) if seed is not None else array
     if key_seed is not None:
-        queries = rotate(queries.astype(jnp.float32), key_seed)
+        queries = rotate_by_product(queries.astype(jnp.float32), key_seed)
     return queries, windows, window_loop, value_seed
 
 
 def unrotated_output(output, value_seed):
     """The kernel's output back in the natural basis: ``sum_t p_t R v_t = R (sum_t p_t v_t)``."""
-    return output if value_seed is None else unrotate(output, value_seed)
+    if value_seed is None:
+        return output
+    return rotate_by_product(output.astype(jnp.float32), value_seed, inverse=True)
 
 
 # --------------------------------------------------------------------------- the backends
