@@ -285,7 +285,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            loops, page_size: int, sink_tokens: int, window_loop: int,
                            scale: float, splits: int | None = None, pages_only: bool = False,
                            kernel: str = "pipelined", stages: int | None = None, fused_windows: bool = True,
-                           chunk: int | None = None, target_programs: int = launch.TARGET_PROGRAMS,
+                           chunk: int | None = None, target_programs: int | None = None,
                            min_pages_per_split: int = launch.MIN_PAGES_PER_SPLIT,
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
                            merge: str | None = None, precise: bool | None = None, lazy: bool | None = None,
@@ -306,7 +306,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       loads straight to registers; windows by the Pallas window kernel) or
       ``"triton"`` (the simple kernel's algorithm in plain Triton).
     * ``splits``: split-KV programs per (sequence, KV head); None gives about
-      ``target_programs`` programs in all, but no fewer than
+      ``target_programs`` programs in all (None: the formats' measured best,
+      :func:`jflashloop_triton_kernels.launch.preferred_target_programs`), but no fewer than
       ``min_pages_per_split`` pages per program (twice that where a wave
       stays full: :func:`jflashloop_triton_kernels.launch.split_count`).
     * ``chunk``: tokens per step inside a page (default: the page);
@@ -367,6 +368,10 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         raise NotImplementedError("the in-kernel merge reads groups of at most 8 query rows")
     max_pages = block_tables.shape[1]
     if splits is None:
+        if target_programs is None:
+            target_programs = launch.preferred_target_programs(
+                format=loops[0].keys.format, streams=len(loops),
+                sparse_rows=tuple(loops[i].keys.rows for i in range(2, len(loops))))
         splits = launch.split_count(sequences * kv_heads * row_blocks, max_pages, target_programs=target_programs,
                                     min_pages_per_split=min_pages_per_split)
     query = None

@@ -25,6 +25,7 @@ from jflashloop_pallas_kernels import launch
 
 TARGET_PROGRAMS = 2048  # about two waves of the page kernel on an H200 (132 SMs x 8 programs)
 WAVE_PROGRAMS = 1024  # about one wave: fewer programs leave SMs idle
+NVFP4_TARGET_PROGRAMS = 1024  # one NVFP4 stream: about one wave (preferred_target_programs)
 MIN_PAGES_PER_SPLIT = 8
 PREFERRED_STAGES = 2  # one stream (bench/KERNEL_NOTES.md, H200)
 CHAIN_STAGES = 1  # two or more streams (loops 2-4): the shared memory of a second stage halves the blocks per SM
@@ -117,6 +118,20 @@ def split_count(pairs: int, max_pages: int, *, target_programs: int = TARGET_PRO
     if longer < splits and pairs * longer >= WAVE_PROGRAMS:
         splits = longer
     return splits
+
+
+def preferred_target_programs(*, format: str, streams: int = 1, sparse_rows: tuple[int, ...] = ()) -> int:
+    """Programs the pipelined kernel's split-KV plan aims at (:func:`split_count`): :data:`NVFP4_TARGET_PROGRAMS`
+    for one NVFP4 stream, else :data:`TARGET_PROGRAMS`.
+
+    Measured on the H200 (``bench/RESULTS.md``, call 32, ms queued): NVFP4 at B8 Hq32 Hkv8 T32K 0.098 with
+    1024 programs against 0.104 with 2048 and 0.102 with 1452 (the 11 programs an SM holds at its 165
+    registers, x 132 SMs); at B1 Hq16 Hkv16 T64K the plan gives 1024 programs either way (0.052).
+    INT4 keeps 2048 (``bench/KERNEL_NOTES.md``: 1024 measured no faster there).
+    """
+    if format == "nvfp4" and streams == 1 and not sparse_rows:
+        return NVFP4_TARGET_PROGRAMS
+    return TARGET_PROGRAMS
 
 
 def preferred_stages(*, streams: int = 1, sparse_rows: tuple[int, ...] = (), overlap: bool = False) -> int:
