@@ -23,7 +23,8 @@ The kernels read the cache's arrays in place (:func:`kernel_inputs`) and
 its static stream formats (:func:`loop_formats`, the one conversion from
 :class:`~jflashloop.CodecSpec` to the kernels' descriptors); with rotated
 streams the queries and windows are rotated outside the kernel and the
-output rotated back (:func:`rotated_inputs`, :func:`unrotated_output`).
+output rotated back (:func:`rotated_inputs`, :func:`unrotated_output`), each
+by one float32 product (:func:`jflashloop.codecs.rotate_by_product`).
 """
 
 from __future__ import annotations
