@@ -367,11 +367,11 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     if row_blocks > 1 and merge == "kernel":
         raise NotImplementedError("the in-kernel merge reads groups of at most 8 query rows")
     max_pages = block_tables.shape[1]
+    sparse_rows = tuple(loops[i].keys.rows for i in range(2, len(loops)))
     if splits is None:
         if target_programs is None:
-            target_programs = launch.preferred_target_programs(
-                format=loops[0].keys.format, streams=len(loops),
-                sparse_rows=tuple(loops[i].keys.rows for i in range(2, len(loops))))
+            target_programs = launch.preferred_target_programs(format=loops[0].keys.format, streams=len(loops),
+                                                               sparse_rows=sparse_rows)
         splits = launch.split_count(sequences * kv_heads * row_blocks, max_pages, target_programs=target_programs,
                                     min_pages_per_split=min_pages_per_split)
     query = None
@@ -387,7 +387,6 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                    window_loop)
     residual = (streams[1]["keys"], streams[1]["values"]) if len(loops) >= 2 else None
     sparse = tuple(streams[i] for i in range(2, len(loops)))
-    sparse_rows = tuple(loops[i].keys.rows for i in range(2, len(loops)))
     streams_read = min(len(loops), 2)
     default_overlap = overlap is None
     if default_overlap:
