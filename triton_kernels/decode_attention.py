@@ -370,8 +370,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     sparse_rows = tuple(loops[i].keys.rows for i in range(2, len(loops)))
     if splits is None:
         if target_programs is None:
-            target_programs = launch.preferred_target_programs(format=loops[0].keys.format, streams=len(loops),
-                                                               sparse_rows=sparse_rows)
+            target_programs = launch.preferred_target_programs(format=loops[0].keys.format, streams=len(loops))
         splits = launch.split_count(sequences * kv_heads * row_blocks, max_pages, target_programs=target_programs,
                                     min_pages_per_split=min_pages_per_split)
     query = None

@@ -120,7 +120,7 @@ def split_count(pairs: int, max_pages: int, *, target_programs: int = TARGET_PRO
     return splits
 
 
-def preferred_target_programs(*, format: str, streams: int = 1, sparse_rows: tuple[int, ...] = ()) -> int:
+def preferred_target_programs(*, format: str, streams: int = 1) -> int:
     """Programs the pipelined kernel's split-KV plan aims at (:func:`split_count`): :data:`NVFP4_TARGET_PROGRAMS`
     for one NVFP4 stream, else :data:`TARGET_PROGRAMS`.
 
@@ -129,7 +129,7 @@ def preferred_target_programs(*, format: str, streams: int = 1, sparse_rows: tup
     registers, x 132 SMs); at B1 Hq16 Hkv16 T64K the plan gives 1024 programs either way (0.052).
     INT4 keeps 2048 (``bench/KERNEL_NOTES.md``: 1024 measured no faster there).
     """
-    if format == "nvfp4" and streams == 1 and not sparse_rows:
+    if format == "nvfp4" and streams == 1:
         return NVFP4_TARGET_PROGRAMS
     return TARGET_PROGRAMS
 
