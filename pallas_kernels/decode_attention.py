@@ -59,7 +59,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-from . import inline_asm, launch
+from . import inline_asm, launch, nvfp4_pages
 
 MASK_VALUE = -1e30
 LOG2_E = math.log2(math.e)
@@ -393,9 +393,10 @@ def _decode_stream(raw, fmt: StreamFormat, dtype, use_asm) -> _Tile:
     if fmt.format == "int4":
         scale, minimum = _per_word(raw["scale"], width), _per_word(raw["minimum"], width)
         return _Tile(_dequantized(words, scale, minimum, dtype, use_asm))
-    if fmt.format == "nvfp4":
+    if fmt.format == "nvfp4":  # the tile holds its bytes in page order (nvfp4_pages)
         local = _per_word(_e4m3_values(raw["scale"].astype(jnp.int32)), width)
-        return _Tile(_e2m1_scaled(words, local, dtype, use_asm), tile_scale=raw["global_scale"])
+        codec_words = nvfp4_pages.from_page_order(words)
+        return _Tile(_e2m1_scaled(codec_words, local, dtype, use_asm), tile_scale=raw["global_scale"])
     # int4_rotated: one float32 scale per row; its 4 low mantissa bits hold the zero point.
     scale = raw["scale"]  # [n, 1] float32
     zero_point = (jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(15)).astype(jnp.float32)

@@ -35,6 +35,21 @@ def round_trip(tile: np.ndarray, codec) -> np.ndarray:
     return decode_nvfp4(e["payload"], e["scale"], e["global_scale"], tile.shape)
 
 
+# Where each bit of an NVFP4 payload byte goes in a cache tile (page order): codec bit -> tile bit. The codec
+# byte is ``s_o m_o2 m_o1 m_o0 s_e m_e2 m_e1 m_e0`` (bit 7 first; e: the even channel), the tile byte
+# ``s_e m_o2 m_o1 m_o0 m_e2 m_e1 m_e0 s_o``.
+NVFP4_PAGE_BIT = {0: 1, 1: 2, 2: 3, 3: 7, 4: 4, 5: 5, 6: 6, 7: 0}
+
+
+def nvfp4_page_bytes(payload: np.ndarray) -> np.ndarray:
+    """NVFP4 payload bytes (uint8, any shape, the codec's order) as a cache tile holds them (uint8)."""
+    payload = np.asarray(payload, np.uint8)
+    out = np.zeros_like(payload)
+    for source, target in NVFP4_PAGE_BIT.items():
+        out |= ((payload >> source) & 1) << target
+    return out
+
+
 def _round_trip_int4_rotated(vector, group_size, seed):
     return rotations.decode_int4_rotated_vector(*rotations.encode_int4_rotated_vector(vector, seed), seed)
 

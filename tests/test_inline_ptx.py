@@ -25,8 +25,9 @@ N = 4096
 
 def _words(rng, n=N):
     words = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
-    words[:16] = [0, 0xFFFFFFFF, 0x88888888, 0x77777777, 0x11111111, 0x99999999, 0x0F0F0F0F, 0xF0F0F0F0,
-                  0x01234567, 0x89ABCDEF, 0xFEDCBA98, 0x76543210, 0x80000000, 0x00000008, 0x80808080, 0x08080808]
+    words[:22] = [0, 0xFFFFFFFF, 0x88888888, 0x77777777, 0x11111111, 0x99999999, 0x0F0F0F0F, 0xF0F0F0F0,
+                  0x01234567, 0x89ABCDEF, 0xFEDCBA98, 0x76543210, 0x80000000, 0x00000008, 0x80808080, 0x08080808,
+                  0x01010101, 0x8E8E8E8E, 0x71717171, 0x00000001, 0x01000000, 0xFEFEFEFE]
     return words
 
 
@@ -120,6 +121,7 @@ def test_the_evaluator_can_fail():
 def _pallas_cases(rng):
     """The Pallas kernel's blocks (compiled only, float16 products): name -> (extra inputs, expected planes)."""
     from jflashloop_pallas_kernels import decode_attention as pallas
+    from jflashloop_pallas_kernels import nvfp4_pages
 
     words = _words(rng)
     scale, minimum = _half(rng, -2, 2), _half(rng, -8, 8)
@@ -127,8 +129,10 @@ def _pallas_cases(rng):
     return {
         "_CODES_ASM": (pallas._CODES_ASM, [], emulate._key_codes(words)),
         "_DEQUANTIZE_ASM": (pallas._DEQUANTIZE_ASM, [scale, minimum], emulate._row_keys(words, scale, minimum)),
-        "_E2M1_ASM": (pallas._E2M1_ASM, [e4m3],  # e2m1 * scale, exact in float16
-                      tuple((v * e4m3.astype(np.float64)).astype(np.float16) for v in emulate._e2m1(words))),
+        # e2m1 * scale, exact in float16; the Pallas kernel decodes words in the codec's order (it maps
+        # the tiles' page order back first), the emulation reads page order
+        "_E2M1_ASM": (pallas._E2M1_ASM, [e4m3], tuple((v * e4m3.astype(np.float64)).astype(np.float16)
+                                                      for v in emulate._e2m1(nvfp4_pages.to_page_order(words)))),
     }, words
 
 

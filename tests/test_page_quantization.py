@@ -35,13 +35,16 @@ def _oracle_tile(tile, spec):
 
 
 def _assert_stream_matches_oracle(stream, tiles, spec):
-    """``tiles``: float numpy ``[heads, pages, rows, D]`` (already sink-masked)."""
+    """``tiles``: float numpy ``[heads, pages, rows, D]`` (already sink-masked); NVFP4 bytes in page order."""
     payload = np.asarray(bytes_from_words(stream.payload))
     heads, pages = tiles.shape[:2]
     for head in range(heads):
         for page in range(pages):
             expected = _oracle_tile(tiles[head, page], spec)
-            assert_bits_equal(payload[head, page], expected["payload"][:, 0], "payload")
+            expected_payload = expected["payload"][:, 0]
+            if spec.format == "nvfp4":
+                expected_payload = reference.paged_cache.nvfp4_page_bytes(expected_payload)
+            assert_bits_equal(payload[head, page], expected_payload, "payload")
             assert_bits_equal(np.asarray(stream.scale[head, page]), expected["scale"][:, 0], "scale")
             if spec.format in ("int4", "int3"):
                 assert_bits_equal(np.asarray(stream.minimum[head, page]), expected["minimum"][:, 0], "minimum")
@@ -148,3 +151,21 @@ def test_pack_pages_kernel_path_equals_jax_path(rng):
     for loop, (a, b) in enumerate(zip(fused, plain, strict=True)):
         for leaf_a, leaf_b in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
             assert_bits_equal(np.asarray(leaf_a), np.asarray(leaf_b), f"loop {loop + 1}")
+
+
+def test_nvfp4_page_order_is_the_oracles_and_inverts(rng):
+    """``nvfp4_pages`` (numpy and jax) against the oracle's bit map, on every byte in every position."""
+    from jflashloop_pallas_kernels import nvfp4_pages
+
+    every_byte = np.arange(256, dtype=np.uint32)
+    words = np.concatenate([every_byte << np.uint32(8 * k) for k in range(4)]
+                           + [rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)])
+    expected = reference.paged_cache.nvfp4_page_bytes(words.view(np.uint8)).view(np.uint32)
+    for module in (np, jnp):
+        page = nvfp4_pages.to_page_order(module.asarray(words))
+        assert page.dtype == np.uint32
+        assert_bits_equal(np.asarray(page), expected, f"{module.__name__} page order")
+        assert_bits_equal(np.asarray(nvfp4_pages.from_page_order(page)), words, f"{module.__name__} inverse")
+    # The kernels' reading of page order: the even channel's float16 high byte is one mask.
+    codes = words.view(np.uint8)
+    assert_bits_equal((expected.view(np.uint8) & 0x8E), ((codes & 8) << 4) | ((codes & 7) << 1), "even channels")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import json
 import os
 import stat
@@ -117,6 +118,23 @@ def test_file_layout_is_the_documented_one():
     np.testing.assert_array_equal(np.frombuffer(raw, "<i4"), np.asarray(busy_cache().lengths))
     names = {e["name"] for e in header["arrays"]}
     assert ".layers[1].loops[2].row_positions" in names and ".layers[0].ring_keys" in names
+
+
+def test_files_hold_nvfp4_payloads_in_the_codec_byte_order():
+    """Tiles hold NVFP4 bytes in page order; a file holds the codec's (FlashLoop) order, other formats as is."""
+    import jflashloop_reference as reference
+
+    cache = busy_cache()
+    _, arrays = persistence._format.read(io.BytesIO(persistence.cache_to_bytes(cache)), persistence.CACHE_FORMAT)
+    for loop, nvfp4 in ((0, False), (1, True)):
+        for stream in ("keys", "values"):
+            in_file = arrays[f".layers[0].loops[{loop}].{stream}.payload"]
+            held = np.asarray(getattr(cache.layers[0].loops[loop], stream).payload)
+            assert np.any(held), "the pages hold data"
+            if nvfp4:
+                assert not np.array_equal(in_file, held)
+                in_file = reference.paged_cache.nvfp4_page_bytes(in_file.view(np.uint8)).view(np.uint32)
+            assert_bits_equal(in_file, held, f"loop {loop} {stream}")
 
 
 def _header_length(data: bytes) -> int:

@@ -28,6 +28,8 @@ from triton.experimental.gluon._runtime import GluonJITFunction
 from triton.language import core as tl_core
 from triton.runtime.jit import ConstexprFunction
 
+from jflashloop_pallas_kernels import nvfp4_pages
+
 _DTYPES = {
     "fp16": np.float16, "fp32": np.float32, "fp64": np.float64, "bf16": ml_dtypes.bfloat16,
     "int1": np.bool_, "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
@@ -169,8 +171,8 @@ def _value_pairs(even, odd, s_even, s_odd, m_even, m_odd):
 _E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
 
 
-def _e2m1(words) -> list[np.ndarray]:
-    return [_E2M1[n.astype(np.int64)] for n in _nibbles(words)]
+def _e2m1(words) -> list[np.ndarray]:  # the words in page order (nvfp4_pages)
+    return [_E2M1[n.astype(np.int64)] for n in _nibbles(nvfp4_pages.from_page_order(np.asarray(words).astype(np.uint32)))]
 
 
 def _e2m1_scaled(values, scale):  # e2m1 * scale / 2**14, one float16 rounding (subnormals kept)

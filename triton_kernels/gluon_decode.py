@@ -489,18 +489,18 @@ _VALUE_CODES_ASM = gl.constexpr(_value_codes_asm())
 # ``sign << 7 | magnitude << 1`` (low byte 0) is the value / 2**14 (0.5 as the
 # subnormal 2**-15); x the E4M3 scale gives ``e2m1 * scale / 2**14`` (rounded only
 # below float16's normal range, 2**-11 of a tile scale at most); the 2**14 joins the
-# tile's float32 scale (NVFP4_UNIT), which multiplies each product. The high bytes of
-# four nibbles are made at once, byte by byte (``_E2M1_BYTES``: the even nibbles of a
-# word's bytes in 4 instructions, the odd ones in 3), and one ``prmt`` against zero
-# places two of them in a float16 pair.
+# tile's float32 scale (NVFP4_UNIT), which multiplies each product. The tiles hold
+# their bytes in page order (``jflashloop_pallas_kernels.nvfp4_pages``:
+# ``s_e m_o2 m_o1 m_o0 m_e2 m_e1 m_e0 s_o``), so the high bytes of four nibbles are
+# made at once, byte by byte (``_E2M1_BYTES``: the even nibbles of a word's bytes in
+# one ``and``, the odd ones in 4 instructions), and one ``prmt`` against zero places
+# two of them in a float16 pair.
 NVFP4_UNIT = gl.constexpr(16384.0)
-_E2M1_BYTES = """and.b32 u, {src}, 0x0F0F0F0F;
-shl.b32 a, u, 1;
-shl.b32 b, u, 4;
-lop3.b32 u, a, b, 0x8E8E8E8E, 0xA8;
-and.b32 h, {src}, 0xF0F0F0F0;
-shr.u32 a, h, 3;
-lop3.b32 h, a, h, 0x8E8E8E8E, 0xA8;"""
+_E2M1_BYTES = """and.b32 u, {src}, 0x8E8E8E8E;
+shr.u32 a, {src}, 3;
+shl.b32 b, {src}, 7;
+and.b32 a, a, 0x0E0E0E0E;
+lop3.b32 h, a, b, 0x80808080, 0xF8;"""
 
 
 def _e2m1_placed(nibbles: list[tuple[int, int]], scales: bool = True) -> list[str]:

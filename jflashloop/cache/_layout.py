@@ -20,9 +20,12 @@ Tile layout (head-major, so one tile is contiguous in memory):
   (``head_dim / 8`` for the 4-bit formats): the codec's bytes read as
   little-endian words (:func:`words_from_bytes`), so for a 4-bit format
   channel ``8w + i`` is nibble ``i`` of word ``w`` (kernels load 8 codes per
-  32-bit load; the bytes in memory are exactly the codec's payload). INT3
-  rows take ``3 * head_dim / 32`` words (its bit stream, 32 codes per 3
-  words; no kernel reads it)
+  32-bit load). The bytes in memory are exactly the codec's payload, except
+  NVFP4's: each of its bytes holds the same two codes with its bits in page
+  order (``jflashloop_pallas_kernels.nvfp4_pages``: :func:`stored_words`
+  writes it, :func:`codec_words` reads it back; files hold the codec's
+  order, :func:`interchange_order`). INT3 rows take ``3 * head_dim / 32``
+  words (its bit stream, 32 codes per 3 words; no kernel reads it)
 * ``scale``: INT4 / INT3 channel axis: float16 ``[kv_heads, pages, rows / group, head_dim]``;
   INT4 / INT3 token axis: float16 ``[kv_heads, pages, rows, ceil(head_dim / group)]``;
   NVFP4: float8_e4m3fn ``[kv_heads, pages, rows, ceil(head_dim / 16)]``
@@ -40,6 +43,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from jflashloop_pallas_kernels import nvfp4_pages
 
 from ..codecs import CodecSpec, Packed
 from ._config import CacheConfig
@@ -113,13 +118,44 @@ def bytes_from_words(words: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*words.shape[:-1], -1)
 
 
+def stored_words(words, spec: CodecSpec):
+    """The codec's payload words (uint32 ``[...]``, numpy or jax) as a tile holds them: NVFP4's in page
+    order (``jflashloop_pallas_kernels.nvfp4_pages``), every other format's unchanged."""
+    return nvfp4_pages.to_page_order(words) if spec.format == "nvfp4" else words
+
+
+def codec_words(words, spec: CodecSpec):
+    """A tile's payload words (uint32 ``[...]``) in the codec's order: the inverse of :func:`stored_words`."""
+    return nvfp4_pages.from_page_order(words) if spec.format == "nvfp4" else words
+
+
+def _each_stream(tree, payload_map):
+    def one(node):
+        if not isinstance(node, PagedStream):
+            return node
+        return dataclasses.replace(node, payload=payload_map(node.payload, node.spec))
+
+    return jax.tree.map(one, tree, is_leaf=lambda node: isinstance(node, PagedStream))
+
+
+def interchange_order(tree):
+    """``tree`` (any pytree holding :class:`PagedStream` s, numpy or jax leaves) with every stream's payload
+    in the codec's byte order, as files hold it (:func:`codec_words`)."""
+    return _each_stream(tree, codec_words)
+
+
+def page_order(tree):
+    """The inverse of :func:`interchange_order`: every stream's payload as tiles hold it (:func:`stored_words`)."""
+    return _each_stream(tree, stored_words)
+
+
 def tile_packed(stream: PagedStream) -> Packed:
-    """View the stream's tiles as a ``[heads, pages]`` batch of ``[rows, 1, D]`` Packed."""
+    """View the stream's tiles as a ``[heads, pages]`` batch of ``[rows, 1, D]`` Packed (codec byte order)."""
     def add_head_axis(leaf):
         return None if leaf is None else leaf[:, :, :, None, :]
 
     return Packed(
-        payload=add_head_axis(bytes_from_words(stream.payload)),
+        payload=add_head_axis(bytes_from_words(codec_words(stream.payload, stream.spec))),
         scale=add_head_axis(stream.scale),
         minimum=add_head_axis(stream.minimum),
         global_scale=stream.global_scale,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jflashloop_pallas_kernels import quantize as quantize_kernel
 
-from ..cache._layout import PagedStream, words_from_bytes
+from ..cache._layout import PagedStream, stored_words, words_from_bytes
 from ..codecs import CodecSpec, encode
 from . import _dispatch
 
@@ -67,8 +67,9 @@ def mask_sink_rows(x: jax.Array, page_numbers: jax.Array, sink_tokens: int) -> j
 
 
 def _stream(outputs: dict, spec: CodecSpec, rows: int, head_dim: int) -> PagedStream:
+    """The quantize kernels' outputs (codec byte order) as a stream."""
     return PagedStream(
-        payload=outputs["payload"],
+        payload=stored_words(outputs["payload"], spec),
         scale=outputs["scale"],
         minimum=outputs.get("minimum"),
         global_scale=outputs.get("global_scale"),
@@ -107,7 +108,7 @@ def encode_tiles_with_codec(x: jax.Array, spec: CodecSpec, implementation) -> Pa
         return None if leaf is None else leaf[:, :, :, 0, :]
 
     return PagedStream(
-        payload=words_from_bytes(drop_head_axis(packed.payload)),
+        payload=stored_words(words_from_bytes(drop_head_axis(packed.payload)), spec),
         scale=drop_head_axis(packed.scale),
         minimum=drop_head_axis(packed.minimum),
         global_scale=packed.global_scale,

@@ -3,7 +3,9 @@
 Two things can be stored, in one file format (specified in
 ``docs/reliability.md``):
 
-* a whole cache (:func:`save`, :func:`load`): every array bit for bit;
+* a whole cache (:func:`save`, :func:`load`): every array bit for bit (page
+  payloads in the codec's byte order, converted from and to the order tiles
+  hold: :func:`jflashloop.cache._layout.interchange_order`);
 * one sequence's pages (:func:`export_pages` -> :class:`PageBundle` ->
   :func:`save_pages` / :func:`load_pages` -> :func:`import_pages`): the
   sequence's page tiles of every layer and loop, its sink and ring windows,

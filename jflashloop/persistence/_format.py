@@ -22,6 +22,7 @@ import numpy as np
 
 from .._errors import PersistenceError
 from ..cache._config import CacheConfig, LoopStorage
+from ..cache._layout import interchange_order, page_order
 from ..codecs import CodecSpec
 
 MAGIC = b"JFLASHKV"
@@ -68,8 +69,9 @@ def config_from_json(data: Mapping) -> CacheConfig:
 
 
 def named_leaves(tree) -> list[tuple[str, np.ndarray]]:
-    """``(pytree path, host array)`` of every array leaf, in pytree order."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    """``(pytree path, host array)`` of every array leaf, in pytree order; page payloads in the codec's byte
+    order (:func:`~jflashloop.cache._layout.interchange_order`: files hold the FlashLoop-compatible bytes)."""
+    leaves = jax.tree_util.tree_flatten_with_path(interchange_order(tree))[0]
     return [(jax.tree_util.keystr(path), np.asarray(leaf)) for path, leaf in leaves]
 
 
@@ -234,7 +236,8 @@ def stored_config(header: dict, arrays: dict) -> CacheConfig:
 
 
 def tree_from_arrays(template, arrays: dict[str, np.ndarray], what: str):
-    """Rebuild ``template``'s pytree from named arrays, checking names, shapes and dtypes."""
+    """Rebuild ``template``'s pytree from named arrays, checking names, shapes and dtypes; page payloads go
+    back to the order tiles hold (:func:`~jflashloop.cache._layout.page_order`)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
     names = [jax.tree_util.keystr(path) for path, _ in leaves]
     missing = sorted(set(names) - set(arrays))
@@ -250,4 +253,4 @@ def tree_from_arrays(template, arrays: dict[str, np.ndarray], what: str):
                 f"{np.dtype(leaf.dtype)} {tuple(leaf.shape)}"
             )
         values.append(array)
-    return jax.tree_util.tree_unflatten(treedef, values)
+    return page_order(jax.tree_util.tree_unflatten(treedef, values))
