@@ -111,6 +111,8 @@ def run(asm: str, constraints: str, args: list[np.ndarray]) -> list[np.ndarray]:
         src = [read(o) for o in ops[1:]] if opcode != "lop3.b32" else [read(o) for o in ops[1:4]]
         if opcode == "mov.b32":
             result = src[0]
+        elif opcode == "cvt.u32.u16":
+            result = src[0] & np.uint32(0xFFFF)
         elif opcode == "shl.b32":
             result = (src[0].astype(np.uint64) << src[1].astype(np.uint64)) & _MASK
         elif opcode == "shr.u32":

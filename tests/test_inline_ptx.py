@@ -83,10 +83,30 @@ def _cases(rng):
 NAMES = sorted(_cases(np.random.default_rng(0)))
 
 
+PACKED = ["_E4M3_PAIR_ASM"]  # blocks that take two elements at once (pack=2): tested on their own below
+
+
 def test_every_emulated_block_is_executed_here():
     emulated = set(emulate._asm_table())
-    covered = {getattr(gluon_decode, name).value for name in NAMES}
+    covered = {getattr(gluon_decode, name).value for name in [*NAMES, *PACKED]}
     assert emulated == covered
+
+
+def test_e4m3_pair_block_matches_its_emulation():
+    """Two E4M3 bytes in one 16-bit register -> their float16 pair; every non-negative finite code in
+    either byte, subnormals included."""
+    rng = np.random.default_rng(3)
+    codes = np.arange(127, dtype=np.uint8)
+    low = np.concatenate([np.repeat(codes, 127), rng.integers(0, 127, N).astype(np.uint8)])
+    high = np.concatenate([np.tile(codes, 127), rng.integers(0, 127, N).astype(np.uint8)])
+    pairs = (low.astype(np.uint16) | (high.astype(np.uint16) << 8)).view(np.float16)
+    (actual,) = ptx.run(gluon_decode._E4M3_PAIR_ASM.value, "=r,h", [pairs])
+    expected = [emulate._asm_table()[gluon_decode._E4M3_PAIR_ASM.value](b).view(np.uint16) for b in (low, high)]
+    assert_equal = np.testing.assert_array_equal
+    assert_equal(actual & 0xFFFF, expected[0])
+    assert_equal(actual >> 16, expected[1])
+    # The emulation is the format's own float16 values (e.g. 448, 2**-9).
+    assert emulate._e4m3_float16(np.array([0x7E, 0x01], np.uint8)).tolist() == [448.0, 2.0**-9]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -194,6 +194,10 @@ def _e2m1_value_codes(even, odd):  # e2m1 / 2**14 (exact in float16)
     return _e2m1_value_pairs(even, odd, np.float16(1), np.float16(1))
 
 
+def _e4m3_float16(bits):  # float8_e4m3fn bytes (non-negative, not NaN) -> their float16 values (exact)
+    return np.asarray(bits).astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float16)
+
+
 def _rotated_keys(words, low, high):  # (1024 + zp, -64 - zp): codes - zp
     return tuple(_t(c - (np.asarray(low, np.float64) - 1024).astype(np.float16)) for c in _nibbles(words))
 
@@ -235,6 +239,7 @@ def _asm_table():
         gluon_decode._VALUE_PAIR_ASM_V2.value: _value_pairs,
         gluon_decode._VALUE_CODES_ASM.value: _value_codes,
         gluon_decode._E2M1_KEY_ASM.value: _e2m1_keys,
+        gluon_decode._E4M3_PAIR_ASM.value: _e4m3_float16,
         gluon_decode._E2M1_VALUE_PAIR_ASM.value: _e2m1_value_pairs,
         gluon_decode._E2M1_VALUE_CODES_ASM.value: _e2m1_value_codes,
     }
