@@ -147,16 +147,18 @@ def check(cache: PagedKVCache, *, allow_saturation: bool = True) -> None:
         raise RuntimeError("PagedKVCache errors: " + " | ".join(messages))
 
 
-def _expected_leaf_shapes(config: CacheConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """``keystr path -> (shape, dtype)`` of every array of an empty cache of ``config``."""
+@functools.lru_cache(maxsize=64)
+def _expected_leaf_shapes(config: CacheConfig) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
+    """``(keystr path, shape, dtype)`` of every array of an empty cache of ``config``, in pytree order
+    (worked out once per config: tracing ``create`` costs more than the checks that use it)."""
     template = jax.eval_shape(lambda: create(config))
     leaves = jax.tree_util.tree_flatten_with_path(template)[0]
-    return {jax.tree_util.keystr(path): (tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in leaves}
+    return tuple((jax.tree_util.keystr(path), tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in leaves)
 
 
 def structure_problems(cache: PagedKVCache) -> list[str]:
     """Every array of ``cache`` whose shape or dtype differs from what its config implies."""
-    expected = _expected_leaf_shapes(cache.config)
+    expected = {name: (shape, dtype) for name, shape, dtype in _expected_leaf_shapes(cache.config)}
     leaves = jax.tree_util.tree_flatten_with_path(cache)[0]
     actual = {jax.tree_util.keystr(path): (tuple(leaf.shape), np.dtype(leaf.dtype)) for path, leaf in leaves}
     problems = [f"missing array {name}" for name in expected if name not in actual]
