@@ -1860,6 +1860,15 @@ def int4_pages_kernel_v2(
             acc, mins = _add_values(acc, mins, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, last % STAGES, 0,
                                     PAGE, PAGE, W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
     else:
+        # NVFP4's tile scales come from global memory, a page ahead: this page's were loaded during the
+        # previous page's work (any tile index is in the pool, so the load past the last page is safe).
+        if FORMAT == NVFP4:
+            first_tile, _first_live = _entry_tile(first_entry, 0, count, head, pool_pages)
+            tile_scales = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, first_tile, 0, zeros_b8, zeros_c8, D, W,
+                                      A_OP, B8, KM, FORMAT, PRECISE)
+            if STREAMS == 2:
+                tile_scales2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, first_tile, 0, zeros_b8, zeros_c8,
+                                           D, W, A_OP, B8, KM, FORMAT, PRECISE)
         # Staggered (one stage): the next page's keys are copied once this page's scores are made, and its
         # values once this page's values are used: each copy flies behind the other half of a page's work.
         for step in range(count):
@@ -1874,6 +1883,19 @@ def int4_pages_kernel_v2(
                 _copy_page(value_tiles, ahead, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
                            FORMAT)
                 async_copy.commit_group()
+                if STAGES == 2:
+                    following = tile
+                else:
+                    following, _following_live = _page_tile(step + 1, count, first, seq, head, table_ptr,
+                                                            pool_pages, max_pages)
+            if FORMAT == NVFP4:
+                terms = tile_scales
+                tile_scales = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, 0, zeros_b8, zeros_c8, D, W,
+                                          A_OP, B8, KM, FORMAT, PRECISE)
+                if STREAMS == 2:
+                    terms2 = tile_scales2
+                    tile_scales2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, following, 0, zeros_b8,
+                                               zeros_c8, D, W, A_OP, B8, KM, FORMAT, PRECISE)
             current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
             if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
                 meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SB3,
@@ -1881,12 +1903,6 @@ def int4_pages_kernel_v2(
             if SPARSE >= 2:
                 meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, SB4,
                                      GB4, SCALED)
-            if FORMAT == NVFP4:  # the tile scales come from global memory: load them before waiting
-                terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, step % STAGES, zeros_b8, zeros_c8, D,
-                                    W, A_OP, B8, KM, FORMAT, PRECISE)
-                if STREAMS == 2:
-                    terms2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, current, step % STAGES, zeros_b8,
-                                         zeros_c8, D, W, A_OP, B8, KM, FORMAT, PRECISE)
             if STAGGERED:
                 async_copy.wait_group(1)  # this page's keys have landed (its values may be in flight)
             else:
