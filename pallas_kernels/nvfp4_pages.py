@@ -30,13 +30,29 @@ _EVEN_SIGN = np.uint32(0x08080808)  # bit 3 <-> 7
 _ODD_SIGN = np.uint32(0x80808080)  # bit 7 <-> 0
 
 
+def _checked(words):
+    if np.dtype(words.dtype) != np.uint32:
+        raise TypeError(f"NVFP4 payload words must be uint32, got {words.dtype}")
+    return words
+
+
 def to_page_order(words):
-    """Codec-order uint32 words ``[...]`` -> page order (same shape, uint32)."""
+    """Codec-order uint32 words ``[...]`` -> page order (same shape, uint32).
+
+    Raises:
+      TypeError: ``words`` is not uint32.
+    """
+    words = _checked(words)
     return ((words & _KEPT) | ((words & _EVEN_MAGNITUDE) << 1) | ((words & _EVEN_SIGN) << 4)
             | ((words & _ODD_SIGN) >> 7))
 
 
 def from_page_order(words):
-    """Page-order uint32 words ``[...]`` -> codec order (same shape, uint32); inverse of :func:`to_page_order`."""
+    """Page-order uint32 words ``[...]`` -> codec order (same shape, uint32); inverse of :func:`to_page_order`.
+
+    Raises:
+      TypeError: ``words`` is not uint32.
+    """
+    words = _checked(words)
     return ((words & _KEPT) | ((words >> 1) & _EVEN_MAGNITUDE) | ((words >> 4) & _EVEN_SIGN)
             | ((words << 7) & _ODD_SIGN))

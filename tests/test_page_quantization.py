@@ -166,6 +166,11 @@ def test_nvfp4_page_order_is_the_oracles_and_inverts(rng):
         assert page.dtype == np.uint32
         assert_bits_equal(np.asarray(page), expected, f"{module.__name__} page order")
         assert_bits_equal(np.asarray(nvfp4_pages.from_page_order(page)), words, f"{module.__name__} inverse")
+    for bad in (words.astype(np.int32), jnp.asarray(words.astype(np.int32)), words.astype(np.uint64)):
+        with pytest.raises(TypeError, match="uint32"):
+            nvfp4_pages.to_page_order(bad)
+        with pytest.raises(TypeError, match="uint32"):
+            nvfp4_pages.from_page_order(bad)
     # The kernels' reading of page order: the even channel's float16 high byte is one mask.
     codes = words.view(np.uint8)
     assert_bits_equal((expected.view(np.uint8) & 0x8E), ((codes & 8) << 4) | ((codes & 7) << 1), "even channels")

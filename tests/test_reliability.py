@@ -31,6 +31,7 @@ from jflashloop import (
     persistence,
 )
 from jflashloop_pallas_kernels import decode_attention as pallas_decode
+from jflashloop_pallas_kernels import nvfp4_pages
 
 CONFIG = CacheConfig(
     num_layers=1, num_kv_heads=1, head_dim=16, num_pages=6, max_sequences=2, max_pages_per_sequence=3,
@@ -245,6 +246,10 @@ BAD_INPUTS = [
      lambda: jflashloop.codecs.rotation_matrix(None, 96), ValueError, "power-of-two length, got 96"),
     ("codecs.rotate_by_product: a length that is not a power of two",
      lambda: jflashloop.codecs.rotate_by_product(jnp.ones((2, 96)), 5), ValueError, "power-of-two length, got 96"),
+    ("nvfp4_pages.to_page_order: int32 words",
+     lambda: nvfp4_pages.to_page_order(jnp.zeros(4, jnp.int32)), TypeError, "must be uint32, got int32"),
+    ("nvfp4_pages.from_page_order: int32 words",
+     lambda: nvfp4_pages.from_page_order(np.zeros(4, np.int32)), TypeError, "must be uint32, got int32"),
     ("decode_attention: KernelConfig(target_programs=0)", lambda: pallas_decode.KernelConfig(target_programs=0),
      ValueError, "KernelConfig.target_programs must be >= 1, got 0"),
     ("free: slot out of range", lambda: paged_cache.free(one_active_cache(), 2), IndexError, "slot must be in"),
