@@ -31,6 +31,7 @@ Plain Python/numpy loops; never imports jax or jflashloop.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -195,7 +196,8 @@ def decode_int2_lloyd_max_vector(codes, sigma16, seed: int) -> list[np.float32]:
 # ---------------------------------------------------------------- e8
 
 
-def e8_codebook() -> list[tuple[float, ...]]:
+@functools.cache
+def e8_codebook() -> tuple[tuple[float, ...], ...]:
     """The zero vector, then the 112 roots ``(+-1, +-1, 0^6)``, then the 128 roots ``(+-1/2)^8`` with an even number of minus signs."""
     book = [(0.0,) * 8]
     for i, j in itertools.combinations(range(8), 2):
@@ -207,25 +209,35 @@ def e8_codebook() -> list[tuple[float, ...]]:
         if bin(mask).count("1") % 2 == 0:
             book.append(tuple(-0.5 if mask >> k & 1 else 0.5 for k in range(8)))
     assert len(book) == 241
-    return book
+    return tuple(book)
+
+
+@functools.cache
+def _e8_columns() -> tuple[np.ndarray, np.ndarray]:
+    """The codebook as float32 ``[241, 8]`` and each codeword's ``|c|^2 / 2`` (float32 ``[241]``)."""
+    book = e8_codebook()
+    half_norms = np.array([np.float32(sum(v * v for v in c) / 2) for c in book], np.float32)
+    return np.array(book, np.float32), half_norms
 
 
 def nearest_e8(block) -> int:
-    """Index of the codeword nearest to ``block`` (8 float32): the slow, obvious search.
+    """Index of the codeword nearest to ``block`` (8 float32): the obvious search over all 241 codewords.
 
     Nearest in Euclidean distance == largest ``x . c - |c|^2 / 2``; the dot
-    products are sums of exact products taken in channel order; ties go to
-    the lower index.
+    products are sums of exact products taken in channel order, each step
+    rounded to float32 (for all codewords at once: float32 arrays round as
+    float32 scalars do); ties go to the lower index; a NaN score never wins
+    over an earlier one (codeword 0 keeps a NaN score of its own).
     """
-    best_index, best_score = 0, None
-    for index, c in enumerate(e8_codebook()):
-        total = np.float32(np.float32(block[0]) * np.float32(c[0]))
-        for k in range(1, 8):
-            total = np.float32(total + np.float32(np.float32(block[k]) * np.float32(c[k])))
-        score = np.float32(total - np.float32(sum(v * v for v in c) / 2))
-        if best_score is None or score > best_score:
-            best_index, best_score = index, score
-    return best_index
+    book, half_norms = _e8_columns()
+    x = [np.float32(v) for v in block]
+    total = x[0] * book[:, 0]
+    for k in range(1, 8):
+        total = total + x[k] * book[:, k]
+    score = total - half_norms
+    if np.isnan(score[0]):
+        return 0
+    return int(np.argmax(np.where(np.isnan(score), -np.inf, score)))
 
 
 def encode_e8_vector(values, group_size: int = 64):
