@@ -150,49 +150,6 @@ def test_overlapped_pages_give_the_same_bits(rng, format, page_size):
                           np.asarray(gluon_attention(lost_queries, lost, 0, splits=2, version=8)), "lost page")
 
 
-@pytest.mark.parametrize("loops, page_size, stages", [
-    (1, 16, 2), (4, 32, 1), *gpu_only((1, 64, 2), (2, 16, 1), (1, 32, 3))])
-def test_key_metadata_a_page_ahead_gives_the_same_bits(rng, loops, page_size, stages):
-    """Reading a page's INT4 key scales and minimums from memory a page ahead (``key_meta_ahead``)
-    moves loads, not arithmetic: the same bits as taking them from the page's copy, for one loop and a
-    FlashLoop chain (one stage, staggered), at one page per program, many and none (more splits than
-    pages), and a lost page; the metadata of a neighbouring page changes them."""
-    config = small_config(num_loops=loops, page_size=page_size, head_dim=64, max_pages_per_sequence=12,
-                          num_pages=48, max_sequences=4)
-    if loops == 1:
-        config = one_loop_config(64, page_size, max_pages_per_sequence=12, num_pages=48, max_sequences=4)
-    cache, _ = build(rng, config, prompt_lengths=[5 * page_size + 9, 3, 2 * page_size, page_size + 1], steps=2)
-    queries = jnp.asarray(rng.standard_normal((4, 8, 64)) * 3, jnp.float32)
-    loop = loops - 1
-    expected = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=True)
-    for splits in (1, 2, 9):
-        plain, ahead = (np.asarray(gluon_attention(queries, cache, 0, include_pending=True, splits=splits, loop=loop,
-                                                   options=dict(stages=stages, key_meta_ahead=flag)))
-                        for flag in (False, True))
-        assert_bits_equal(ahead, plain, f"{splits} splits")
-        assert (relative_errors(ahead, expected) < TOLERANCE).all(), (splits, relative_errors(ahead, expected))
-    if loops == 1 and page_size == 16:
-        lost_config = small_config(num_layers=1, head_dim=64, page_size=16, num_pages=3, max_pages_per_sequence=3,
-                                   max_sequences=2, num_loops=1, recent_tokens=16)
-        lost, _ = lost_page_cache(rng, lost_config, 1)
-        assert_bits_equal(*(np.asarray(gluon_attention(queries[:2, :4], lost, 0, splits=2,
-                                                       options=dict(stages=stages, key_meta_ahead=flag)))
-                            for flag in (True, False)), "lost page")
-
-
-def test_key_metadata_ahead_refuses_what_it_cannot_read():
-    """Only INT4 keys keep page-wide metadata, and the overlapped loop makes its scaled query elsewhere."""
-    config = one_loop_config(64, 16, num_kv_heads=1, max_pages_per_sequence=4, num_pages=8)
-    cache, _ = build(np.random.default_rng(0), config, prompt_lengths=[40], steps=1)
-    with pytest.raises(ValueError, match="no overlap"):
-        gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0,
-                        options=dict(stages=3, overlap=True, key_meta_ahead=True))
-    nvfp4 = dataclasses.replace(config, loops=(LoopStorage(jflashloop.NVFP4, jflashloop.NVFP4),))
-    cache, _ = build(np.random.default_rng(0), nvfp4, prompt_lengths=[40], steps=1)
-    with pytest.raises(ValueError, match="INT4 streams"):
-        gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0, options=dict(key_meta_ahead=True))
-
-
 def test_overlap_is_the_default_for_int4_at_head_dim_256(rng, monkeypatch):
     """INT4 at head_dim 256 with 64-token pages takes the overlapped loop by default (3 stages;
     ``launch.preferred_overlap``): the default call gives the bits of ``overlap=True, stages=3``, with

@@ -114,7 +114,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0),
                   row_blocks: int = 1, lazy: bool = False, overlap: bool = False,
                   merge_registers: int = launch.MERGE_REGISTERS, stagger: bool = False,
-                  scaled: bool | None = None, ahead: bool = False):
+                  scaled: bool | None = None):
     """Run the Gluon page kernel.
 
     Args:
@@ -149,10 +149,6 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
       scaled: INT4 or int4_rotated values as subnormal codes, their scales (and
         minimums or zero points) on the probabilities (pipelined kernel); None:
         :func:`jflashloop_triton_kernels.launch.preferred_scaled_values`.
-      ahead: INT4 streams (pipelined kernel, not ``overlap``): the first
-        stream's key scales and minimums read from memory into registers a
-        page before their page, its scaled query made before waiting for the
-        page's copy (the copies then carry the key words only).
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
       splits, 8], max [...])`` float32, natural channel order (program ``h *
@@ -195,8 +191,6 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                          "whole-page chunks")
     if stagger and stages != 1:
         raise ValueError(f"stagger needs the pipelined kernel with one stage, got stages={stages}")
-    if ahead and (stages is None or stream_format != 0 or overlap):
-        raise ValueError("ahead needs the pipelined kernel, INT4 streams and no overlap")
     where = dict(format=("int4", "nvfp4", "int4_rotated")[stream_format], head_dim=head_dim,
                  value_group=value_group, group=group, row_blocks=row_blocks, lazy=lazy, sparse_loops=len(sparse))
     if scaled is None:
@@ -239,7 +233,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                      QSCALE=1.0 if query_scale is None else float(query_scale),
                      PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]), RB=row_blocks,
                      LAZY=lazy, OVERLAP=overlap, MERGE_REGS=merge_registers, STAGGER=stagger,
-                     SCALED=scaled, AHEAD=ahead)
+                     SCALED=scaled)
     elif query_scale is not None:
         raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
@@ -285,7 +279,7 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
                                              "partials_only", "maxnreg", "emulate", "merge", "precise",
                                              "limits", "lazy", "overlap", "merge_registers", "stagger",
-                                             "scaled_values", "key_meta_ahead"))
+                                             "scaled_values"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, state=None, limits: tuple[int, int, int] | None = None,
                            loops, page_size: int, sink_tokens: int, window_loop: int,
@@ -296,8 +290,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
                            merge: str | None = None, precise: bool | None = None, lazy: bool | None = None,
                            overlap: bool | None = None, merge_registers: int | None = None,
-                           stagger: bool | None = None, scaled_values: bool | None = None,
-                           key_meta_ahead: bool | None = None):
+                           stagger: bool | None = None, scaled_values: bool | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -350,10 +343,6 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       minimums or zero points) join the probabilities. None:
       :func:`jflashloop_triton_kernels.launch.preferred_scaled_values` (INT4
       wherever it can; int4_rotated not yet).
-    * ``key_meta_ahead`` (pipelined kernel, INT4, not ``overlap``): each
-      page's key scales and minimums read into registers a page ahead and
-      its scaled query made before the wait for its copy. None:
-      :func:`jflashloop_triton_kernels.launch.preferred_key_meta_ahead`.
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -422,10 +411,6 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
     if maxnreg is None and pipelined:
         maxnreg = launch.preferred_maxnreg(loops[0].keys.format)
-    if key_meta_ahead is None:
-        ahead = pipelined and not overlap and launch.preferred_key_meta_ahead(format=loops[0].keys.format)
-    else:
-        ahead = key_meta_ahead
     if precise is None:
         precise = True
     if lazy is None:
@@ -440,7 +425,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks, lazy=lazy,
         overlap=overlap, merge_registers=launch.MERGE_REGISTERS if merge_registers is None else merge_registers,
         stagger=(launch.STAGGER and pipelined and stages == 1) if stagger is None else stagger,
-        scaled=scaled_values, ahead=ahead,
+        scaled=scaled_values,
         **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]

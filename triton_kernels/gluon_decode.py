@@ -790,12 +790,11 @@ def _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages):
 @gluon.jit
 def _copy_page(streams, stage, tile, live, KEYS: gl.constexpr, STREAMS: gl.constexpr, SPARSE: gl.constexpr,
                R3: gl.constexpr, RP3: gl.constexpr, R4: gl.constexpr, RP4: gl.constexpr, PAGE: gl.constexpr,
-               W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, FORMAT: gl.constexpr, AHEAD: gl.constexpr = False):
+               W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, FORMAT: gl.constexpr):
     """cp.async the key (``KEYS``) or value tiles of page ``tile`` of every stream the kernel reads (no
     commit). ``streams``: (buffers, pointers) of the dense streams' ``(words, scale, minimum)`` and of the
     sparse loops' rows. Metadata per tile: INT4 key scale/min ``[D]`` and value scale/min ``[PAGE, NG]``
-    (float16), NVFP4 E4M3 scale bytes ``[PAGE, D/16]``, int4_rotated row scales ``[PAGE]`` (float32);
-    with ``AHEAD`` not the first stream's key metadata (read from memory into registers instead)."""
+    (float16), NVFP4 E4M3 scale bytes ``[PAGE, D/16]``, int4_rotated row scales ``[PAGE]`` (float32)."""
     buffers, pointers = streams
     if FORMAT == ROTATED:
         META: gl.constexpr = PAGE
@@ -806,7 +805,7 @@ def _copy_page(streams, stage, tile, live, KEYS: gl.constexpr, STREAMS: gl.const
     else:
         META: gl.constexpr = PAGE * NG
     _copy_tile(buffers[0], buffers[1], buffers[2], stage, tile, live, pointers[0], pointers[1], pointers[2], PAGE, W,
-               0 if KEYS & AHEAD else META, FORMAT)
+               META, FORMAT)
     if STREAMS == 2:
         _copy_tile(buffers[3], buffers[4], buffers[5], stage, tile, live, pointers[3], pointers[4], pointers[5],
                    PAGE, W, META, FORMAT)
@@ -820,18 +819,17 @@ def _copy_page(streams, stage, tile, live, KEYS: gl.constexpr, STREAMS: gl.const
 def _copy_tile(w_s, s_s, m_s, stage, tile, live, w_ptr, s_ptr, m_ptr, PAGE: gl.constexpr, W: gl.constexpr,
                META: gl.constexpr, FORMAT: gl.constexpr):
     """cp.async one stream's key or value tile: its words ``[PAGE, W]`` and ``META`` elements of each
-    metadata array (INT4: scale and minimum; NVFP4 and int4_rotated: the scales; none when 0)."""
+    metadata array (INT4: scale and minimum; NVFP4 and int4_rotated: the scales)."""
     WORDS: gl.constexpr = _copy_layout(PAGE, W, 4)
     w_rows = gl.arange(0, PAGE, layout=gl.SliceLayout(1, WORDS))
     w_cols = gl.arange(0, W, layout=gl.SliceLayout(0, WORDS))
     w_offsets = gl.expand_dims(w_rows, 1) * W + gl.expand_dims(w_cols, 0)
     async_copy.async_copy_global_to_shared(w_s.index(stage), w_ptr + tile * (PAGE * W) + w_offsets, mask=live)
-    if META > 0:
-        VECTOR: gl.constexpr = 4 if FORMAT == ROTATED else (16 if FORMAT == NVFP4 else 8)  # 16 bytes a thread
-        offsets = gl.arange(0, META, layout=gl.BlockedLayout([VECTOR], [32], [1], [0]))
-        async_copy.async_copy_global_to_shared(s_s.index(stage), s_ptr + tile * META + offsets, mask=live)
-        if FORMAT == INT4:
-            async_copy.async_copy_global_to_shared(m_s.index(stage), m_ptr + tile * META + offsets, mask=live)
+    VECTOR: gl.constexpr = 4 if FORMAT == ROTATED else (16 if FORMAT == NVFP4 else 8)  # 16 bytes a thread
+    offsets = gl.arange(0, META, layout=gl.BlockedLayout([VECTOR], [32], [1], [0]))
+    async_copy.async_copy_global_to_shared(s_s.index(stage), s_ptr + tile * META + offsets, mask=live)
+    if FORMAT == INT4:
+        async_copy.async_copy_global_to_shared(m_s.index(stage), m_ptr + tile * META + offsets, mask=live)
 
 
 @gluon.jit
@@ -863,13 +861,7 @@ def _key_offset(query, km_s, stage, zeros_b8, zeros_c8, D: gl.constexpr, W: gl.c
                 KM: gl.constexpr):
     """``q . min`` of one INT4 key stream's page in every column of a ``[16, 8]`` accumulator (the
     query halves' rows, to be folded with the scores)."""
-    return _offset_of(query, km_s.index(stage).load(KM), zeros_b8, zeros_c8, D, W, B8)
-
-
-@gluon.jit
-def _offset_of(query, k_min, zeros_b8, zeros_c8, D: gl.constexpr, W: gl.constexpr, B8: gl.constexpr):
-    """:func:`_key_offset` of the page's key minimums ``k_min`` (float16 ``[D]``, physical order, ``KM``)."""
-    k_min = _key_order_1d(k_min, D, W)
+    k_min = _key_order_1d(km_s.index(stage).load(KM), D, W)
     k_min = gl.convert_layout(k_min, gl.SliceLayout(1, B8), assert_trivial=True)
     minimum = gl.broadcast(gl.expand_dims(k_min, 1), zeros_b8)[0]
     return mma_v2(query[0], minimum, zeros_c8)
@@ -880,17 +872,10 @@ def _scaled_query(query, ks_s, stage, D: gl.constexpr, W: gl.constexpr, A_OP: gl
                   PRECISE: gl.constexpr):
     """The query scaled by one INT4 key stream's page channel scales: the A operand (float16, the
     product's high half in rows 0-7 and its low half in rows 8-15)."""
-    return _scaled_query_of(query, ks_s.index(stage).load(KM), D, W, A_OP, KM, PRECISE)
-
-
-@gluon.jit
-def _scaled_query_of(query, k_scale, D: gl.constexpr, W: gl.constexpr, A_OP: gl.constexpr, KM: gl.constexpr,
-                     PRECISE: gl.constexpr):
-    """:func:`_scaled_query` of the page's key scales ``k_scale`` (float16 ``[D]``, physical order, ``KM``)."""
     _, hi, lo = query
     # Odd nibbles' codes enter the product x 16 (:func:`_key_tile_v2`): their channels' scales / 16.
     channel = gl.arange(0, D, layout=KM)
-    k_scale = k_scale * gl.where((channel & 1) == 1, 0.0625, 1.0).to(gl.float16)
+    k_scale = ks_s.index(stage).load(KM) * gl.where((channel & 1) == 1, 0.0625, 1.0).to(gl.float16)
     k_scale = _key_order_1d(k_scale, D, W)
     scale = gl.expand_dims(gl.convert_layout(k_scale, gl.SliceLayout(0, hi.type.layout), assert_trivial=True), 0)
     # (hi + lo) * s as a float16 pair: hi * s rounded, then its exact rounding remainder plus lo * s.
@@ -908,14 +893,6 @@ def _key_terms(query, ks_s, km_s, stage, zeros_b8, zeros_c8, D: gl.constexpr, W:
     """One INT4 key stream's page terms: (:func:`_scaled_query`, :func:`_key_offset`)."""
     return (_scaled_query(query, ks_s, stage, D, W, A_OP, KM, PRECISE),
             _key_offset(query, km_s, stage, zeros_b8, zeros_c8, D, W, B8, KM))
-
-
-@gluon.jit
-def _key_meta(ks_ptr, km_ptr, tile, D: gl.constexpr, KM: gl.constexpr):
-    """One INT4 key stream's page scales and minimums (float16 ``[D]`` each, physical order, ``KM``)
-    straight from memory (``AHEAD``: a page before they are used)."""
-    channels = tile * D + gl.arange(0, D, layout=KM)
-    return gl.load(ks_ptr + channels), gl.load(km_ptr + channels)
 
 
 @gluon.jit
@@ -1646,7 +1623,6 @@ def int4_pages_kernel_v2(
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
     RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False, OVERLAP: gl.constexpr = False,
     MERGE_REGS: gl.constexpr = MERGE_REGISTERS, STAGGER: gl.constexpr = False, SCALED: gl.constexpr = False,
-    AHEAD: gl.constexpr = False,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1682,9 +1658,6 @@ def int4_pages_kernel_v2(
     one row block) puts the value scales (and minimums or zero points) on
     the probabilities and the value codes into the products as float16
     subnormals (see :func:`_value_codes`; NVFP4's as ``e2m1 / 2**14``).
-    ``AHEAD`` (INT4, not ``OVERLAP``) loads the first stream's key scales
-    and minimums from memory a page before their page, into registers, and
-    makes the page's scaled query before waiting for its copy.
 
     The query ``q_ptr`` here is the caller's ``[S, H * GROUP, D]`` (float32,
     bfloat16 or float16, natural channel order, not padded): the kernel
@@ -1701,7 +1674,6 @@ def int4_pages_kernel_v2(
     gl.static_assert((not SCALED) | (((FORMAT == INT4) | (SPARSE == 0)) & (GROUP <= GP) & (not LAZY) & (RB == 1)),
                      "SCALED reads INT4 values, or NVFP4 or int4_rotated values without sparse loops; "
                      "GROUP * SG <= 8 query rows (SG value scales a token); no LAZY, one row block")
-    gl.static_assert((not AHEAD) | ((FORMAT == INT4) & (not OVERLAP)), "AHEAD reads INT4 keys, not OVERLAP")
     TO_SCORES: gl.constexpr = 1.0 / KEY_UNIT if FORMAT == INT4 else 1.0  # a page's products -> scores
     MMA: gl.constexpr = _mma()
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -1810,8 +1782,7 @@ def int4_pages_kernel_v2(
             tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
         else:
             tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
-        _copy_page(key_tiles, s, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT,
-                   AHEAD=AHEAD)
+        _copy_page(key_tiles, s, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
         if STAGGERED:
             async_copy.commit_group()
         _copy_page(value_tiles, s, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
@@ -1898,9 +1869,6 @@ def int4_pages_kernel_v2(
             if STREAMS == 2:
                 tile_scales2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, first_tile, 0, zeros_b8, zeros_c8,
                                            D, W, A_OP, B8, KM, FORMAT, PRECISE)
-        if AHEAD:  # likewise INT4's key scales and minimums (the first stream's)
-            first_tile, _first_live = _entry_tile(first_entry, 0, count, head, pool_pages)
-            key_meta = _key_meta(ks_ptr, km_ptr, first_tile, D, KM)
         # Staggered (one stage): the next page's keys are copied once this page's scores are made, and its
         # values once this page's values are used: each copy flies behind the other half of a page's work.
         for step in range(count):
@@ -1911,7 +1879,7 @@ def int4_pages_kernel_v2(
                 ahead = (step + STAGES - 1) % STAGES
                 tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
                 _copy_page(key_tiles, ahead, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                           FORMAT, AHEAD=AHEAD)
+                           FORMAT)
                 _copy_page(value_tiles, ahead, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
                            FORMAT)
                 async_copy.commit_group()
@@ -1928,10 +1896,6 @@ def int4_pages_kernel_v2(
                     terms2 = tile_scales2
                     tile_scales2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, following, 0, zeros_b8,
                                                zeros_c8, D, W, A_OP, B8, KM, FORMAT, PRECISE)
-            if AHEAD:  # this page's scaled query while its copy may be in flight; the next page's metadata
-                terms = (_scaled_query_of(query, key_meta[0], D, W, A_OP, KM, PRECISE),
-                         _offset_of(query, key_meta[1], zeros_b8, zeros_c8, D, W, B8))
-                key_meta = _key_meta(ks_ptr, km_ptr, following, D, KM)
             current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
             if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
                 meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SB3,
@@ -1948,9 +1912,8 @@ def int4_pages_kernel_v2(
                 terms = (0.0, 0.0)
                 terms2 = (0.0, 0.0)
             if FORMAT == INT4:  # the key metadata is in shared memory: read it after waiting
-                if not AHEAD:
-                    terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, stage, zeros_b8, zeros_c8, D, W,
-                                        A_OP, B8, KM, FORMAT, PRECISE)
+                terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, stage, zeros_b8, zeros_c8, D, W,
+                                    A_OP, B8, KM, FORMAT, PRECISE)
                 if STREAMS == 2:  # its scaled query is made where its product needs it (fewer live registers)
                     offset2 = _key_offset(query, km2_s, stage, zeros_b8, zeros_c8, D, W, B8, KM)
             if FORMAT == INT4:  # the streams' q . min start the score accumulator
@@ -1978,7 +1941,7 @@ def int4_pages_kernel_v2(
                 if STAGGERED:
                     if c == PAGE // CHUNK - 1:  # every key tile of the page is read
                         _copy_page(key_tiles, 0, following, following_live, True, STREAMS, SPARSE, R3, RP3, R4, RP4,
-                                   PAGE, W, D, NG, FORMAT, AHEAD=AHEAD)
+                                   PAGE, W, D, NG, FORMAT)
                         async_copy.commit_group()
                 scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
                 scores = _mask_chunk(scores, (first + step) * PAGE + c * CHUNK, tokens, current_live, packed_end, SINK,

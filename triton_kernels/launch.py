@@ -35,7 +35,6 @@ OVERLAP_HEAD_DIMS = (256,)  # INT4, one stream: the next page's scores before th
 OVERLAP_PAGE_SIZES = (64,)  # at these page sizes (measured there; ptxas spills more with it at 128 tokens)
 OVERLAP_STAGES = 3  # the overlapped loop keeps a page in flight besides the two it works on
 STAGGER = True  # one stage (chains): keys and values as two copy groups (gluon_decode; bench/KERNEL_NOTES.md)
-KEY_META_AHEAD = False  # INT4: a page's key scales and minimums in registers a page ahead (gluon_decode AHEAD)
 
 
 SCALED_ROTATED = False  # int4_rotated values on the probabilities by default (gluon_decode; no faster on the H200)
@@ -160,12 +159,6 @@ def preferred_overlap(*, format: str, head_dim: int, page_size: int, streams: in
     """
     return (format == "int4" and head_dim in OVERLAP_HEAD_DIMS and page_size in OVERLAP_PAGE_SIZES
             and streams == 1 and not sparse_rows)
-
-
-def preferred_key_meta_ahead(*, format: str) -> bool:
-    """Whether the pipelined kernel reads an INT4 page's key scales and minimums into registers a page
-    ahead by default (``key_meta_ahead``; not with ``overlap``): :data:`KEY_META_AHEAD` for INT4."""
-    return format == "int4" and KEY_META_AHEAD
 
 
 def preferred_maxnreg(format: str) -> int | None:
