@@ -172,25 +172,29 @@ def run_error_checks() -> None:
 
 
 def run_fork_checks() -> None:
-    """A fork within a data shard equals the single-device fork; across shards it raises."""
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=AUTO)
+    """A fork within a data shard equals the single-device fork; across shards it raises.
+
+    On the 2x4 mesh of :func:`run_mesh` (its sharded prefill is compiled once for both): slots 4-7 are
+    data shard 1, so the fork of slot 5 into slot 7 is local slot 1 into 3 of a shard other than the first.
+    """
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=AUTO)
     rng = np.random.default_rng(5)
     keys, values = tokens(rng, (2, 4, 72, 8, 16)), tokens(rng, (2, 4, 72, 8, 16))
     # Jitted like the single-device reference's calls (same shapes, so their compilations are shared).
-    single = jax.jit(paged_cache.prefill)(paged_cache.create(config()), jnp.int32(2), keys, values, jnp.int32(70))
-    single = jax.jit(paged_cache.fork)(single, jnp.int32(2), jnp.int32(3), jnp.int32(40))
+    single = jax.jit(paged_cache.prefill)(paged_cache.create(config()), jnp.int32(5), keys, values, jnp.int32(70))
+    single = jax.jit(paged_cache.fork)(single, jnp.int32(5), jnp.int32(7), jnp.int32(40))
     reconstruct = jax.jit(paged_cache.reconstruct, static_argnums=(1, 2))
-    sharded = sharding.prefill(sharding.create(config(), mesh), mesh, 2, keys, values, 70)
-    sharded = sharding.fork(sharded, mesh, 2, 3, 40)
+    sharded = sharding.prefill(sharding.create(config(), mesh), mesh, 5, keys, values, 70)
+    sharded = sharding.fork(sharded, mesh, 5, 7, 40)
     check("fork within a data shard: same page references",
           np.array_equal(np.asarray(sharded.page_refs).sum(), np.asarray(single.page_refs).sum()))
     for layer, loop in ((0, 0), (1, 3)):
-        got = sharding.reconstruct(sharded, mesh, layer, loop, 3)
-        want = reconstruct(single, layer, loop, jnp.int32(3))
-        check(f"fork within a data shard: slot 3 layer {layer} loop {loop} as on one device",
+        got = sharding.reconstruct(sharded, mesh, layer, loop, 7)
+        want = reconstruct(single, layer, loop, jnp.int32(7))
+        check(f"fork within a data shard: slot 7 layer {layer} loop {loop} as on one device",
               all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got[:2], want[:2], strict=True)))
     try:
-        sharding.fork(sharded, mesh, 2, 4)
+        sharding.fork(sharded, mesh, 5, 2)
     except ValueError as error:
         check(f"a fork across data shards raises: {error}", "within a data shard" in str(error))
     else:
@@ -204,6 +208,6 @@ if __name__ == "__main__":
     run_fork_checks()
     inputs = make_inputs(0)
     single = single_device_reference(inputs)
-    for data, model in ((8, 1), (2, 4)):  # no model axis, and the widest one (the codec and fork checks use 4x2)
+    for data, model in ((8, 1), (2, 4)):  # no model axis, and the widest one (the codec checks use 4x2)
         run_mesh(data, model, inputs, single)
     print("all sharding checks passed")

@@ -1,5 +1,5 @@
 """Sharded cache and attention on 8 simulated CPU devices (the cache and attention on meshes 8x1 and 2x4,
-codecs and forks on 4x2).
+codecs on 4x2, forks on 2x4).
 
 The checks run in a subprocess so that the device count flag does not affect
 the other test modules (which keep one device).
