@@ -52,7 +52,7 @@ def formulation(name, loop=0, pages_only=False):
     from jflashloop_triton_kernels import decode_attention as gluon
 
     # gluon2-s<stages>[w][-c<chunk>][-p<programs>][-n<pages>][-r<maxnreg>][-k][-m|-mx|-mg][-M<regs>][-f|-x][-l][-o]
-    # [-g|-ng][-v|-nv]:
+    # [-g|-ng][-v|-nv][-P<programs>]:
     # the pipelined kernel, fused windows, token chunk, target programs, least pages per split (the library's 8; twice that
     # where a wave stays full, launch.split_count; -n4 gives the split counts of that rule's absence),
     # register cap, kernel partials only (no merge), merge inside the kernel (-m), by XLA (-mx) or by the
@@ -60,13 +60,15 @@ def formulation(name, loop=0, pages_only=False):
     # one float16 query (-f) or the precise float16 pair (-x) instead of the default, lazy rescaling (-l),
     # the next page's scores before this page's softmax (-o), registers per round trip of the in-kernel merge (-M),
     # one stage's keys and values copied as two groups (-g; -ng: the plain stage, whatever the library's default),
-    # INT4 value codes against probabilities times the value scales (-v; -nv: the values decoded in registers)
+    # INT4 value codes against probabilities times the value scales (-v; -nv: the values decoded in registers),
+    # persistent programs taking the split-KV items in turn (-P<programs>)
     stages, fused, chunk, partials, maxnreg, merge, precise = None, False, None, False, None, None, None
     programs = gluon_launch.TARGET_PROGRAMS
     lazy = merge_registers = None
     overlap = False  # a formulation overlaps pages only with -o (the library's default may)
     stagger = None  # the library's default unless -g / -ng
     scaled_values = None  # the library's default unless -v / -nv
+    persistent = None  # one program per item unless -P<programs>
     min_pages = gluon_launch.MIN_PAGES_PER_SPLIT  # the library's default
     if name.startswith("gluon2-s"):
         kernel = "pipelined"
@@ -105,6 +107,8 @@ def formulation(name, loop=0, pages_only=False):
                 overlap = True
             elif option == "g":
                 stagger = True
+            elif option.startswith("P"):
+                persistent = int(option[1:])
             elif option.startswith("M"):
                 merge_registers = int(option[1:])
     elif name == "gluon":
@@ -126,7 +130,8 @@ def formulation(name, loop=0, pages_only=False):
             stages=stages, fused_windows=fused and not pages_only, chunk=chunk, target_programs=programs,
             min_pages_per_split=min_pages,
             partials_only=partials, maxnreg=maxnreg, merge=merge, precise=precise, lazy=lazy,
-            overlap=overlap, merge_registers=merge_registers, stagger=stagger, scaled_values=scaled_values)
+            overlap=overlap, merge_registers=merge_registers, stagger=stagger, scaled_values=scaled_values,
+            persistent_programs=persistent)
         return out if partials else unrotated_output(out, value_seed)
 
     return run

@@ -150,6 +150,58 @@ def test_overlapped_pages_give_the_same_bits(rng, format, page_size):
                           np.asarray(gluon_attention(lost_queries, lost, 0, splits=2, version=8)), "lost page")
 
 
+@pytest.mark.parametrize("loops, format, page_size, persistent, group", [
+    (1, "int4", 16, 1, 8), (1, "nvfp4", 32, 3, 2), (2, "int4", 16, 5, 4),
+    *gpu_only((1, "int4", 64, 7, 4), (1, "int4_rotated", 16, 2, 8), (4, "int4", 32, 3, 8), (1, "int4", 16, 4, 16))])
+def test_persistent_programs_give_the_same_bits(rng, loops, format, page_size, persistent, group):
+    """Persistent programs taking the split-KV items in turn, each item's first page copied during the
+    item before it, move copies and programs, not arithmetic: the same bits as one program per item for
+    one loop, a dense and a FlashLoop chain (two stages), GQA groups of 2-16 (two row blocks), the merge
+    in the kernel and in XLA, one page per item, many (items of an odd count of pages in a row: the next
+    item's first page lands in the other stage), none (more splits than pages), a program that takes every
+    item, and a lost page."""
+    codec = {"int4": None, "nvfp4": (jflashloop.NVFP4,) * 2,
+             "int4_rotated": (jflashloop.int4_rotated(64, 3), jflashloop.int4_rotated(64, 4))}[format]
+    config = small_config(num_loops=loops, page_size=page_size, head_dim=64, max_pages_per_sequence=12,
+                          num_pages=48, max_sequences=4)
+    if loops == 1:
+        config = one_loop_config(64, page_size, max_pages_per_sequence=12, num_pages=48, max_sequences=4)
+    if codec is not None:
+        config = dataclasses.replace(config, loops=(LoopStorage(*codec),) * loops)
+    cache, _ = build(rng, config, prompt_lengths=[5 * page_size + 9, 3, 2 * page_size, page_size + 1], steps=2)
+    queries = jnp.asarray(rng.standard_normal((4, 2 * group, 64)) * 3, jnp.float32)
+    loop = loops - 1
+    expected = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=True)
+    for splits, merge in ((1, "xla"), (4, "kernel"), (4, "xla"), (9, "kernel")):  # 4: items of 3 pages in a row
+        if group > 8 and merge == "kernel":
+            continue  # the in-kernel merge reads one block of 8 rows
+        plain, persistent_bits = (
+            np.asarray(gluon_attention(queries, cache, 0, include_pending=True, splits=splits, loop=loop,
+                                       options=dict(stages=2, merge=merge, persistent_programs=programs)))
+            for programs in (None, persistent))
+        assert_bits_equal(persistent_bits, plain, f"{splits} splits, merge {merge}")
+        errors = relative_errors(persistent_bits, expected)
+        assert (errors < TOLERANCE).all(), (splits, merge, errors)
+    if loops == 1 and format == "int4" and page_size == 16:
+        lost_config = small_config(num_layers=1, head_dim=64, page_size=16, num_pages=3, max_pages_per_sequence=3,
+                                   max_sequences=2, num_loops=1, recent_tokens=16)
+        lost, _ = lost_page_cache(rng, lost_config, 1)
+        assert_bits_equal(*(np.asarray(gluon_attention(queries[:2, :4], lost, 0, splits=2,
+                                                       options=dict(stages=2, persistent_programs=programs)))
+                            for programs in (persistent, None)), "lost page")
+
+
+def test_persistent_programs_refuse_what_they_cannot_run():
+    """Persistent programs hand each item's first page to the plain two-stage loop."""
+    config = one_loop_config(64, 16, num_kv_heads=1, max_pages_per_sequence=4, num_pages=8)
+    cache, _ = build(np.random.default_rng(0), config, prompt_lengths=[40], steps=1)
+    for options in (dict(stages=1, persistent_programs=4), dict(stages=3, overlap=True, persistent_programs=4)):
+        with pytest.raises(ValueError, match="two stages"):
+            gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0, options=options)
+    with pytest.raises(ValueError, match="persistent must be"):
+        gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0, options=dict(stages=2, persistent_programs=-1))
+
+
 def test_overlap_is_the_default_for_int4_at_head_dim_256(rng, monkeypatch):
     """INT4 at head_dim 256 with 64-token pages takes the overlapped loop by default (3 stages;
     ``launch.preferred_overlap``): the default call gives the bits of ``overlap=True, stages=3``, with

@@ -44,7 +44,8 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
                          streams: int = 1, format: str = "int4", sparse: tuple[int, ...] = (),
                          merge: bool = False, precise: bool = True, group: int = 8, query: str = "*bf16",
                          row_blocks: int = 1, lazy: bool = False, overlap: bool = False, window: str = "*bf16",
-                         merge_registers: int | None = None, stagger: bool = False, scaled: bool | None = None):
+                         merge_registers: int | None = None, stagger: bool = False, scaled: bool | None = None,
+                         persist: int = 0):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel.
 
     ``kernel``: ``"pipelined"`` or ``"simple"`` (Gluon, 1 warp) or
@@ -57,7 +58,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     streams rotate them in float32); ``merge_registers``: the in-kernel
     merge's registers per round trip (None: ``launch.MERGE_REGISTERS``);
     ``scaled``: INT4 values as subnormal codes against scaled probabilities
-    (None: ``launch.preferred_scaled_values``).
+    (None: ``launch.preferred_scaled_values``); ``persist``: that many persistent programs (``PERSIST``).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -89,7 +90,8 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
                          SCALED=launch.preferred_scaled_values(
                              format=format, head_dim=head_dim, value_group=value_group, group=group,
                              row_blocks=row_blocks, lazy=lazy, sparse_loops=len(sparse)) if scaled is None else scaled,
-                         MERGE_REGS=launch.MERGE_REGISTERS if merge_registers is None else merge_registers)
+                         MERGE_REGS=launch.MERGE_REGISTERS if merge_registers is None else merge_registers,
+                         PERSIST=persist)
     heads = [query, "*i32", "*i32", "*i1"] if pipelined else POINTERS  # query, table, (lengths, active | bounds)
     types = heads + stream + windows + scalars + outputs + ["constexpr"] * len(constants)
     signature = dict(zip(fn.arg_names, types, strict=True))

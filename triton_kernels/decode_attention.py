@@ -114,7 +114,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                   query_scale: float | None = None, state=None, limits: tuple[int, int, int] = (1, 1 << 30, 0),
                   row_blocks: int = 1, lazy: bool = False, overlap: bool = False,
                   merge_registers: int = launch.MERGE_REGISTERS, stagger: bool = False,
-                  scaled: bool | None = None):
+                  scaled: bool | None = None, persistent: int = 0):
     """Run the Gluon page kernel.
 
     Args:
@@ -149,6 +149,10 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
       scaled: INT4 or int4_rotated values as subnormal codes, their scales (and
         minimums or zero points) on the probabilities (pipelined kernel); None:
         :func:`jflashloop_triton_kernels.launch.preferred_scaled_values`.
+      persistent: > 0: a grid of at most that many persistent programs, each
+        taking the (sequence, row program, slot) items in turn, the next
+        item's first page copied during this one's last (pipelined kernel,
+        two stages, not ``overlap`` or ``stagger``); 0: one program per item.
     Returns:
       ``(out [S, H * row_blocks, splits, 8, D], sum [S, H * row_blocks,
       splits, 8], max [...])`` float32, natural channel order (program ``h *
@@ -191,6 +195,12 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                          "whole-page chunks")
     if stagger and stages != 1:
         raise ValueError(f"stagger needs the pipelined kernel with one stage, got stages={stages}")
+    if persistent < 0:
+        raise ValueError(f"persistent must be 0 or a number of programs, got {persistent}")
+    if persistent and (stages != 2 or overlap or stagger):
+        raise ValueError("persistent programs run the pipelined kernel's plain loop of two stages")
+    items = sequences * programs * slots
+    persistent = min(persistent, items)
     where = dict(format=("int4", "nvfp4", "int4_rotated")[stream_format], head_dim=head_dim,
                  value_group=value_group, group=group, row_blocks=row_blocks, lazy=lazy, sparse_loops=len(sparse))
     if scaled is None:
@@ -233,7 +243,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                      QSCALE=1.0 if query_scale is None else float(query_scale),
                      PENDING=int(limits[0]), CAPACITY=int(limits[1]), RECENT=int(limits[2]), RB=row_blocks,
                      LAZY=lazy, OVERLAP=overlap, MERGE_REGS=merge_registers, STAGGER=stagger,
-                     SCALED=scaled)
+                     SCALED=scaled, PERSIST=persistent)
     elif query_scale is not None:
         raise ValueError("only the pipelined kernel scales and pads the query itself")
     elif stream_format:
@@ -252,10 +262,11 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
     constants = dict(D=head_dim, PAGE=page_size, GV=value_group, SINK=sink_tokens, **extra)
     zeroed = (len(out_shape) - 1,) if merge_group else ()  # the merge counters start at zero (hashable: a jaxpr parameter)
     if emulate:  # the kernel's own body on the CPU (numpy), for tests
-        return _emulated_call(kernel, (sequences, programs, slots), arrays, scalars, out_shape, constants)
+        grid = (persistent, 1, 1) if persistent else (sequences, programs, slots)
+        return _emulated_call(kernel, grid, arrays, scalars, out_shape, constants)
     return call.triton_call(
         *arrays, *scalars, zeroed_outputs=zeroed,
-        kernel=kernel, out_shape=out_shape, grid=(sequences, programs, slots),
+        kernel=kernel, out_shape=out_shape, grid=(persistent, 1, 1) if persistent else (sequences, programs, slots),
         num_warps=num_warps, num_stages=num_stages, name=f"jflashloop_int4_pages_{splits=}",
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
         **constants,
@@ -279,7 +290,7 @@ def _emulated_call(kernel, grid, arrays, scalars, out_shape, constants):
                                              "fused_windows", "chunk", "target_programs", "min_pages_per_split",
                                              "partials_only", "maxnreg", "emulate", "merge", "precise",
                                              "limits", "lazy", "overlap", "merge_registers", "stagger",
-                                             "scaled_values"))
+                                             "scaled_values", "persistent_programs"))
 def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, sink_values, ring_keys,
                            ring_values, *, state=None, limits: tuple[int, int, int] | None = None,
                            loops, page_size: int, sink_tokens: int, window_loop: int,
@@ -290,7 +301,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                            partials_only: bool = False, maxnreg: int | None = None, emulate: bool = False,
                            merge: str | None = None, precise: bool | None = None, lazy: bool | None = None,
                            overlap: bool | None = None, merge_registers: int | None = None,
-                           stagger: bool | None = None, scaled_values: bool | None = None):
+                           stagger: bool | None = None, scaled_values: bool | None = None,
+                           persistent_programs: int | None = None):
     """float32 ``[S, q_heads, D]``: decode attention over one dense INT4 loop, or
     loop 2 of a dense INT4 chain (pipelined kernel).
 
@@ -343,6 +355,10 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       minimums or zero points) join the probabilities. None:
       :func:`jflashloop_triton_kernels.launch.preferred_scaled_values` (INT4
       wherever it can; int4_rotated not yet).
+    * ``persistent_programs`` (pipelined kernel, two stages, not ``overlap``
+      or ``stagger``): at most that many programs, each taking the split-KV
+      items in turn, the next item's first page copied during this one's
+      last. None or 0: one program per item.
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -425,7 +441,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         query_scale=scale * LOG2_E if pipelined else None, state=state, row_blocks=row_blocks, lazy=lazy,
         overlap=overlap, merge_registers=launch.MERGE_REGISTERS if merge_registers is None else merge_registers,
         stagger=(launch.STAGGER and pipelined and stages == 1) if stagger is None else stagger,
-        scaled=scaled_values,
+        scaled=scaled_values, persistent=persistent_programs or 0,
         **({} if limits is None else {"limits": limits}),
         **({"num_warps": 4, "num_stages": 2} if kernel == "triton" else {}))
     output, total, running_max = outputs[:3]

@@ -1600,6 +1600,37 @@ def merge_kernel(out_ptr, sum_ptr, max_ptr, final_ptr, D: gl.constexpr, GROUP: g
 
 
 @gluon.jit
+def _item_ids(item, row_programs, slots):
+    """(sequence, row program, slot) of a persistent program's ``item`` (the grid's order: slots fastest)."""
+    split = item % slots
+    virtual = (item // slots) % row_programs
+    return item // (slots * row_programs), virtual, split
+
+
+@gluon.jit
+def _query_rows(q_ptr, seq, virtual, kv_heads, RB: gl.constexpr, GROUP: gl.constexpr, GP: gl.constexpr,
+                D: gl.constexpr, QL: gl.constexpr):
+    """The 8 query rows ``[8, D]`` (the caller's dtype, ``QL``) of row program ``virtual``: rows past
+    ``GROUP`` zero; SCALED (``GP`` < 8) the rows repeated in each value group's block of GP rows."""
+    program = (seq * kv_heads + virtual // RB).to(gl.int64)
+    q_rows = (virtual % RB) * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, QL)) % GP
+    q_cols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+    return gl.load(q_ptr + program * (GROUP * D) + gl.expand_dims(q_rows, 1) * D + gl.expand_dims(q_cols, 0),
+                   mask=gl.expand_dims(q_rows < GROUP, 1), other=0.0)
+
+
+@gluon.jit
+def _split_pages(length, active, first, pages_per_split, PENDING: gl.constexpr, CAPACITY: gl.constexpr,
+                 RECENT: gl.constexpr, PAGE: gl.constexpr, SINK: gl.constexpr):
+    """A sequence's regions (``jflashloop.cache._regions``) and one split's pages: ``(visible`` tokens,
+    ``packed_end`` (pages hold the tokens before it), ``count`` pages of the split from page ``first``)."""
+    visible = gl.where(active, gl.minimum(length + PENDING, CAPACITY), 0)
+    packed_end = gl.maximum(gl.minimum(visible - RECENT, (length // PAGE) * PAGE), 0)
+    packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
+    return visible, packed_end, gl.minimum(gl.maximum(packed_pages - first, 0), pages_per_split)
+
+
+@gluon.jit
 def int4_pages_kernel_v2(
     q_ptr, table_ptr,
     lengths_ptr,  # int32 [S]: committed tokens
@@ -1623,6 +1654,7 @@ def int4_pages_kernel_v2(
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
     RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False, OVERLAP: gl.constexpr = False,
     MERGE_REGS: gl.constexpr = MERGE_REGISTERS, STAGGER: gl.constexpr = False, SCALED: gl.constexpr = False,
+    PERSIST: gl.constexpr = 0,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1658,6 +1690,11 @@ def int4_pages_kernel_v2(
     one row block) puts the value scales (and minimums or zero points) on
     the probabilities and the value codes into the products as float16
     subnormals (see :func:`_value_codes`; NVFP4's as ``e2m1 / 2**14``).
+    ``PERSIST`` > 0 (the plain loop of two stages): a grid of ``PERSIST``
+    programs takes the ``(sequence, row program, slot)`` items in turn
+    (program ``p`` items ``p, p + PERSIST, ...``); each item's block-table
+    entry, length and query are loaded, and its first page copied, during
+    the item before it, so only a program's first item waits for them.
 
     The query ``q_ptr`` here is the caller's ``[S, H * GROUP, D]`` (float32,
     bfloat16 or float16, natural channel order, not padded): the kernel
@@ -1683,14 +1720,6 @@ def int4_pages_kernel_v2(
     VS: gl.constexpr = _value_meta_layout(CHUNK, NG, D, GV)
     KM: gl.constexpr = _key_meta_layout(D)
     QL: gl.constexpr = _query_layout(D)
-
-    seq = gl.program_id(0)
-    virtual = gl.program_id(1)  # KV head * RB + block of 8 query rows
-    split = gl.program_id(2)
-    head = virtual // RB
-    row_block = virtual % RB
-    program = (seq * kv_heads + head).to(gl.int64)  # (sequence, KV head): its query rows
-    partial = (seq * (kv_heads * RB) + virtual).to(gl.int64)  # this program's partials
 
     kw_s, vw_s, ks_s, km_s, vs_s, vm_s = _stream_buffers(STAGES, PAGE, W, D, NG, FORMAT)
     if STREAMS == 2:
@@ -1742,284 +1771,346 @@ def int4_pages_kernel_v2(
     value_tiles = ((vw_s, vs_s, vm_s, vw2_s, vs2_s, vm2_s, vw3_s, vw4_s),
                    (vw_ptr, vs_ptr, vm_ptr, vw2_ptr, vs2_ptr, vm2_ptr, vw3_ptr, vw4_ptr))
 
-    # The first page's block-table entry and the query are loaded beside the sequence's length, not
-    # after it: the first page's copy then waits for one round trip, not two.
-    first = split * pages_per_split
-    first_entry = _table_entry(0, first, seq, table_ptr, max_pages)
-    length = gl.load(lengths_ptr + seq)
-    active = gl.load(active_ptr + seq).to(gl.int32) != 0
-    # The query, float16, logical key order, rows 8-15 zero: the A operand.
-    # (SCALED: the rows repeated in each value group's block of GP columns.)
-    q_rows = row_block * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, QL)) % GP
-    q_cols = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-    query = gl.load(q_ptr + program * (GROUP * D) + gl.expand_dims(q_rows, 1) * D + gl.expand_dims(q_cols, 0),
-                    mask=gl.expand_dims(q_rows < GROUP, 1), other=0.0).to(gl.float32) * QSCALE
-    # The query as a float16 pair in one operand: its high half in rows 0-7 and, with PRECISE, the
-    # rounding remainder in rows 8-15 (the padding rows of the m16 products), so each product scores
-    # both halves at once and the rows are folded after it (:func:`_fold_rows`): the large q . k of
-    # offset and outlier key channels keep ~22 bits at no extra product.
-    query_hi = query.to(gl.float16)
-    hi8 = _to_key_order(query_hi, D, W)
-    if PRECISE:
-        lo8 = _to_key_order((query - query_hi.to(gl.float32)).to(gl.float16), D, W)
-    else:
-        lo8 = gl.zeros_like(hi8)
-    operand = _stack_rows(hi8, lo8, D, A_OP)
-    hi8, lo8 = _split_rows(operand, D)  # the halves in the operand's own row layout (page scales)
-    query = (operand, hi8, lo8)
-
-    # The sequence's regions (``jflashloop.cache._regions``): ``visible`` tokens, pages up to
-    # ``packed_end`` (a lost page, -1, ends them earlier: ``_page_tile`` and the window program).
-    visible = gl.where(active, gl.minimum(length + PENDING, CAPACITY), 0)
-    packed_end = gl.maximum(gl.minimum(visible - RECENT, (length // PAGE) * PAGE), 0)
-    packed_pages = gl.where(packed_end > SINK, gl.cdiv(packed_end, PAGE), 0)
-    count = gl.minimum(gl.maximum(packed_pages - first, 0), pages_per_split)
-    # Pages copied before the loop: STAGES - 1 ahead; staggered (one stage), the first page, its keys
-    # and its values as two copy groups.
+    # Persistent programs (PERSIST): the items of the grid's (sequence, row program, slot) in turn, the next
+    # item's block-table entry, length, activity and query loaded during this one (``n_*``, ``q_next``).
     STAGGERED: gl.constexpr = _staggered(STAGGER, STAGES)
-    for s in gl.static_range(_prologue_pages(STAGGER, STAGES)):
-        if s == 0:
-            tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
+    gl.static_assert((PERSIST == 0) | ((not OVERLAP) & (not STAGGERED) & (STAGES == 2)),
+                     "PERSIST runs the plain loop of two stages")
+    ITEM_STEP: gl.constexpr = PERSIST if PERSIST > 0 else 1
+    if PERSIST > 0:
+        items = sequences * (kv_heads * RB) * slots
+        item_first = gl.program_id(0)
+        n_seq, n_virtual, n_split = _item_ids(gl.minimum(item_first, items - 1), kv_heads * RB, slots)
+        n_entry = _table_entry(0, n_split * pages_per_split, n_seq, table_ptr, max_pages)
+        n_length = gl.load(lengths_ptr + n_seq)
+        n_active = gl.load(active_ptr + n_seq).to(gl.int32) != 0
+        q_next = _query_rows(q_ptr, n_seq, n_virtual, kv_heads, RB, GROUP, GP, D, QL)
+    else:
+        items = 1
+        item_first = 0
+    base = item_first * 0  # PERSIST: the stage of the item's first page (a tensor there)
+    for item in range(item_first, items, ITEM_STEP):
+        # The first page's block-table entry and the query are loaded beside the sequence's length, not
+        # after it: the first page's copy then waits for one round trip, not two.
+        if PERSIST > 0:
+            seq, virtual, split = n_seq, n_virtual, n_split
+            first_entry = n_entry
+            length = n_length
+            active = n_active
+            q_in = q_next
+            more = item + PERSIST < items
+            n_seq, n_virtual, n_split = _item_ids(gl.minimum(item + PERSIST, items - 1), kv_heads * RB, slots)
+            n_entry = _table_entry(0, n_split * pages_per_split, n_seq, table_ptr, max_pages)
+            n_length = gl.load(lengths_ptr + n_seq)
+            n_active = (gl.load(active_ptr + n_seq).to(gl.int32) != 0) & more
+            q_next = _query_rows(q_ptr, n_seq, n_virtual, kv_heads, RB, GROUP, GP, D, QL)
         else:
-            tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
-        _copy_page(key_tiles, s, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
-        if STAGGERED:
-            async_copy.commit_group()
-        _copy_page(value_tiles, s, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
-        async_copy.commit_group()
-
-    B8: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-    zeros_b8 = gl.zeros([D, 8], gl.float16, layout=B8)
-    zeros_c8 = gl.zeros([16, 8], gl.float32, layout=MMA)
-
-    acc = gl.zeros([D, 8], gl.float32, layout=MMA)
-    zero_scores = gl.zeros([16, CHUNK], gl.float32, layout=MMA)
-    run_max = gl.max(_top_rows(zero_scores, CHUNK), axis=1) + MASK_VALUE
-    tokens = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, _top_rows(zero_scores, CHUNK).type.layout))
-    sums = _lane_sums(_top_rows(zero_scores, CHUNK), CHUNK)  # [8, 8]: per-thread partial row sums
-    mins = gl.zeros_like(sums)  # SCALED: per-thread partial sums of p x value minimums, per column
-
-    if OVERLAP:
-        gl.static_assert((STREAMS == 1) & (SPARSE == 0) & (CHUNK == PAGE) & (STAGES >= 2),
-                         "OVERLAP reads one dense stream in whole-page chunks")
-        # Page 0's scores; then each step copies a page ahead, masks the scores of page ``step``,
-        # waits for page ``step + 1`` and makes its scores, and finishes page ``step`` (softmax,
-        # values). The last page is finished after the loop.
-        following, _following_live = _page_tile(0, count, first, seq, head, table_ptr, pool_pages, max_pages)
-        if FORMAT == NVFP4:
-            terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, 0, zeros_b8, zeros_c8, D, W, A_OP, B8,
-                                KM, FORMAT, PRECISE)
-        async_copy.wait_group(STAGES - 2)
-        if FORMAT == INT4:
-            terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, 0, zeros_b8, zeros_c8, D, W, A_OP, B8,
-                                KM, FORMAT, PRECISE)
-        if FORMAT == ROTATED:
-            terms = (0.0, 0.0)
-        ahead_scores = _page_scores(query, terms, kw_s, ks_s, 0, zero_scores, PAGE, W, D, B_OP, KW, MMA, FORMAT)
-        if FORMAT == NVFP4:  # the value tile scale of the page being finished
-            value_term = terms[1]
+            seq = gl.program_id(0)
+            virtual = gl.program_id(1)  # KV head * RB + block of 8 query rows
+            split = gl.program_id(2)
+            first_entry = _table_entry(0, split * pages_per_split, seq, table_ptr, max_pages)
+            length = gl.load(lengths_ptr + seq)
+            active = gl.load(active_ptr + seq).to(gl.int32) != 0
+            q_in = _query_rows(q_ptr, seq, virtual, kv_heads, RB, GROUP, GP, D, QL)
+        head = virtual // RB
+        row_block = virtual % RB
+        program = (seq * kv_heads + head).to(gl.int64)  # (sequence, KV head): its query rows
+        partial = (seq * (kv_heads * RB) + virtual).to(gl.int64)  # this program's partials
+        first = split * pages_per_split
+        query = q_in.to(gl.float32) * QSCALE
+        # The query as a float16 pair in one operand: its high half in rows 0-7 and, with PRECISE, the
+        # rounding remainder in rows 8-15 (the padding rows of the m16 products), so each product scores
+        # both halves at once and the rows are folded after it (:func:`_fold_rows`): the large q . k of
+        # offset and outlier key channels keep ~22 bits at no extra product.
+        query_hi = query.to(gl.float16)
+        hi8 = _to_key_order(query_hi, D, W)
+        if PRECISE:
+            lo8 = _to_key_order((query - query_hi.to(gl.float32)).to(gl.float16), D, W)
         else:
-            value_term = 0.0
-        for step in range(count - 1):
-            ahead = (step + STAGES - 1) % STAGES
-            tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
-            _copy_page(key_tiles, ahead, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
-            _copy_page(value_tiles, ahead, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                       FORMAT)
-            async_copy.commit_group()
-            current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
-            scores = _mask_chunk(ahead_scores, (first + step) * PAGE, tokens, current_live, packed_end, SINK, PAGE)
-            following, _following_live = _page_tile(step + 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
-            stage = step % STAGES
-            next_stage = (step + 1) % STAGES
+            lo8 = gl.zeros_like(hi8)
+        operand = _stack_rows(hi8, lo8, D, A_OP)
+        hi8, lo8 = _split_rows(operand, D)  # the halves in the operand's own row layout (page scales)
+        query = (operand, hi8, lo8)
+
+        # The sequence's regions (``jflashloop.cache._regions``): ``visible`` tokens, pages up to
+        # ``packed_end`` (a lost page, -1, ends them earlier: ``_page_tile`` and the window program).
+        visible, packed_end, count = _split_pages(length, active, first, pages_per_split, PENDING, CAPACITY,
+                                                  RECENT, PAGE, SINK)
+        if PERSIST > 0:  # the next item's first page (copied during this item's last page)
+            n_count = _split_pages(n_length, n_active, n_split * pages_per_split, pages_per_split, PENDING,
+                                   CAPACITY, RECENT, PAGE, SINK)[2]
+            n_tile, n_live = _entry_tile(n_entry, 0, n_count, n_virtual // RB, pool_pages)
+            if item == item_first:  # a program's first item copies its own first page
+                tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
+                _copy_page(key_tiles, 0, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                           FORMAT)
+                _copy_page(value_tiles, 0, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                           FORMAT)
+                async_copy.commit_group()
+        else:
+            # Pages copied before the loop: STAGES - 1 ahead; staggered (one stage), the first page, its keys
+            # and its values as two copy groups.
+            for s in gl.static_range(_prologue_pages(STAGGER, STAGES)):
+                if s == 0:
+                    tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
+                else:
+                    tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
+                _copy_page(key_tiles, s, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                           FORMAT)
+                if STAGGERED:
+                    async_copy.commit_group()
+                _copy_page(value_tiles, s, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                           FORMAT)
+                async_copy.commit_group()
+
+        B8: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+        zeros_b8 = gl.zeros([D, 8], gl.float16, layout=B8)
+        zeros_c8 = gl.zeros([16, 8], gl.float32, layout=MMA)
+
+        acc = gl.zeros([D, 8], gl.float32, layout=MMA)
+        zero_scores = gl.zeros([16, CHUNK], gl.float32, layout=MMA)
+        run_max = gl.max(_top_rows(zero_scores, CHUNK), axis=1) + MASK_VALUE
+        tokens = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, _top_rows(zero_scores, CHUNK).type.layout))
+        sums = _lane_sums(_top_rows(zero_scores, CHUNK), CHUNK)  # [8, 8]: per-thread partial row sums
+        mins = gl.zeros_like(sums)  # SCALED: per-thread partial sums of p x value minimums, per column
+
+        if OVERLAP:
+            gl.static_assert((STREAMS == 1) & (SPARSE == 0) & (CHUNK == PAGE) & (STAGES >= 2),
+                             "OVERLAP reads one dense stream in whole-page chunks")
+            # Page 0's scores; then each step copies a page ahead, masks the scores of page ``step``,
+            # waits for page ``step + 1`` and makes its scores, and finishes page ``step`` (softmax,
+            # values). The last page is finished after the loop.
+            following, _following_live = _page_tile(0, count, first, seq, head, table_ptr, pool_pages, max_pages)
             if FORMAT == NVFP4:
-                terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, next_stage, zeros_b8, zeros_c8, D,
-                                    W, A_OP, B8, KM, FORMAT, PRECISE)
-            async_copy.wait_group(STAGES - 2)  # page step + 1 has landed
+                terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, 0, zeros_b8, zeros_c8, D, W, A_OP, B8,
+                                    KM, FORMAT, PRECISE)
+            async_copy.wait_group(STAGES - 2)
             if FORMAT == INT4:
-                terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, next_stage, zeros_b8, zeros_c8, D,
-                                    W, A_OP, B8, KM, FORMAT, PRECISE)
+                terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, 0, zeros_b8, zeros_c8, D, W, A_OP, B8,
+                                    KM, FORMAT, PRECISE)
             if FORMAT == ROTATED:
                 terms = (0.0, 0.0)
-            ahead_scores = _page_scores(query, terms, kw_s, ks_s, next_stage, zero_scores, PAGE, W, D, B_OP, KW,
-                                        MMA, FORMAT)
-            weights, sums, mins, acc, run_max = _chunk_weights(scores, sums, mins, acc, run_max, TO_SCORES, PAGE, MMA,
-                                                               LAZY, SCALED)
-            p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-            acc, mins = _add_values(acc, mins, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, stage, 0, PAGE,
-                                    PAGE, W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
-            if FORMAT == NVFP4:
+            ahead_scores = _page_scores(query, terms, kw_s, ks_s, 0, zero_scores, PAGE, W, D, B_OP, KW, MMA, FORMAT)
+            if FORMAT == NVFP4:  # the value tile scale of the page being finished
                 value_term = terms[1]
-        if count > 0:
-            last = count - 1
-            current, current_live = _page_tile(last, count, first, seq, head, table_ptr, pool_pages, max_pages)
-            scores = _mask_chunk(ahead_scores, (first + last) * PAGE, tokens, current_live, packed_end, SINK, PAGE)
-            weights, sums, mins, acc, run_max = _chunk_weights(scores, sums, mins, acc, run_max, TO_SCORES, PAGE, MMA,
-                                                               LAZY, SCALED)
-            p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-            acc, mins = _add_values(acc, mins, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, last % STAGES, 0,
-                                    PAGE, PAGE, W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
-    else:
-        # NVFP4's tile scales come from global memory, a page ahead: this page's were loaded during the
-        # previous page's work (any tile index is in the pool, so the load past the last page is safe).
-        if FORMAT == NVFP4:
-            first_tile, _first_live = _entry_tile(first_entry, 0, count, head, pool_pages)
-            tile_scales = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, first_tile, 0, zeros_b8, zeros_c8, D, W,
-                                      A_OP, B8, KM, FORMAT, PRECISE)
-            if STREAMS == 2:
-                tile_scales2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, first_tile, 0, zeros_b8, zeros_c8,
-                                           D, W, A_OP, B8, KM, FORMAT, PRECISE)
-        # Staggered (one stage): the next page's keys are copied once this page's scores are made, and its
-        # values once this page's values are used: each copy flies behind the other half of a page's work.
-        for step in range(count):
-            if STAGGERED:
-                following, following_live = _page_tile(step + 1, count, first, seq, head, table_ptr, pool_pages,
-                                                       max_pages)
             else:
+                value_term = 0.0
+            for step in range(count - 1):
                 ahead = (step + STAGES - 1) % STAGES
                 tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
-                _copy_page(key_tiles, ahead, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                           FORMAT)
+                _copy_page(key_tiles, ahead, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
                 _copy_page(value_tiles, ahead, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
                            FORMAT)
                 async_copy.commit_group()
-                if STAGES == 2:
-                    following = tile
-                else:
-                    following, _following_live = _page_tile(step + 1, count, first, seq, head, table_ptr,
-                                                            pool_pages, max_pages)
+                current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
+                scores = _mask_chunk(ahead_scores, (first + step) * PAGE, tokens, current_live, packed_end, SINK, PAGE)
+                following, _following_live = _page_tile(step + 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
+                stage = step % STAGES
+                next_stage = (step + 1) % STAGES
+                if FORMAT == NVFP4:
+                    terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, next_stage, zeros_b8, zeros_c8, D,
+                                        W, A_OP, B8, KM, FORMAT, PRECISE)
+                async_copy.wait_group(STAGES - 2)  # page step + 1 has landed
+                if FORMAT == INT4:
+                    terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, next_stage, zeros_b8, zeros_c8, D,
+                                        W, A_OP, B8, KM, FORMAT, PRECISE)
+                if FORMAT == ROTATED:
+                    terms = (0.0, 0.0)
+                ahead_scores = _page_scores(query, terms, kw_s, ks_s, next_stage, zero_scores, PAGE, W, D, B_OP, KW,
+                                            MMA, FORMAT)
+                weights, sums, mins, acc, run_max = _chunk_weights(scores, sums, mins, acc, run_max, TO_SCORES, PAGE, MMA,
+                                                                   LAZY, SCALED)
+                p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+                acc, mins = _add_values(acc, mins, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, stage, 0, PAGE,
+                                        PAGE, W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
+                if FORMAT == NVFP4:
+                    value_term = terms[1]
+            if count > 0:
+                last = count - 1
+                current, current_live = _page_tile(last, count, first, seq, head, table_ptr, pool_pages, max_pages)
+                scores = _mask_chunk(ahead_scores, (first + last) * PAGE, tokens, current_live, packed_end, SINK, PAGE)
+                weights, sums, mins, acc, run_max = _chunk_weights(scores, sums, mins, acc, run_max, TO_SCORES, PAGE, MMA,
+                                                                   LAZY, SCALED)
+                p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+                acc, mins = _add_values(acc, mins, p_t, weights, (0.0, value_term), vw_s, vs_s, vm_s, last % STAGES, 0,
+                                        PAGE, PAGE, W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
+        else:
+            # NVFP4's tile scales come from global memory, a page ahead: this page's were loaded during the
+            # previous page's work (any tile index is in the pool, so the load past the last page is safe).
             if FORMAT == NVFP4:
-                terms = tile_scales
-                tile_scales = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, 0, zeros_b8, zeros_c8, D, W,
+                first_tile, _first_live = _entry_tile(first_entry, 0, count, head, pool_pages)
+                tile_scales = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, first_tile, 0, zeros_b8, zeros_c8, D, W,
                                           A_OP, B8, KM, FORMAT, PRECISE)
                 if STREAMS == 2:
-                    terms2 = tile_scales2
-                    tile_scales2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, following, 0, zeros_b8,
-                                               zeros_c8, D, W, A_OP, B8, KM, FORMAT, PRECISE)
-            current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
-            if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
-                meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SB3,
-                                     GB3, SCALED)
-            if SPARSE >= 2:
-                meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, SB4,
-                                     GB4, SCALED)
-            if STAGGERED:
-                async_copy.wait_group(1)  # this page's keys have landed (its values may be in flight)
-            else:
-                async_copy.wait_group(STAGES - 1)  # this page's copies have landed in shared memory
-            stage = step % STAGES
-            if FORMAT == ROTATED:
-                terms = (0.0, 0.0)
-                terms2 = (0.0, 0.0)
-            if FORMAT == INT4:  # the key metadata is in shared memory: read it after waiting
-                terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, stage, zeros_b8, zeros_c8, D, W,
-                                    A_OP, B8, KM, FORMAT, PRECISE)
-                if STREAMS == 2:  # its scaled query is made where its product needs it (fewer live registers)
-                    offset2 = _key_offset(query, km2_s, stage, zeros_b8, zeros_c8, D, W, B8, KM)
-            if FORMAT == INT4:  # the streams' q . min start the score accumulator
-                offset = terms[1]
-                if STREAMS == 2:
-                    offset = offset + offset2
-                offset = offset * KEY_UNIT  # the key codes' products are in units of KEY_UNIT
-                start = gl.convert_layout(_tile_columns(offset, CHUNK), MMA, assert_trivial=True)
-            else:
-                start = zero_scores
-            for c in gl.static_range(PAGE // CHUNK):
-                both = _add_key_scores(start, query, terms, kw_s, ks_s, stage, c, zero_scores, PAGE, CHUNK, W, D, B_OP,
-                                       KW, FORMAT)
-                if STREAMS == 2:
-                    if FORMAT == INT4:
-                        terms2 = (_scaled_query(query, ks2_s, stage, D, W, A_OP, KM, PRECISE), offset2)
-                    both = _add_key_scores(both, query, terms2, kw2_s, ks2_s, stage, c, zero_scores, PAGE, CHUNK, W, D,
-                                           B_OP, KW, FORMAT)
-                if SPARSE >= 1:
-                    both = _add_sparse_scores(both, query, kw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
-                                              B_OP, KW3, SB3)
-                if SPARSE >= 2:
-                    both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
-                                              B_OP, KW4, SB4)
+                    tile_scales2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, first_tile, 0, zeros_b8, zeros_c8,
+                                               D, W, A_OP, B8, KM, FORMAT, PRECISE)
+            # Staggered (one stage): the next page's keys are copied once this page's scores are made, and its
+            # values once this page's values are used: each copy flies behind the other half of a page's work.
+            for step in range(count):
                 if STAGGERED:
-                    if c == PAGE // CHUNK - 1:  # every key tile of the page is read
-                        _copy_page(key_tiles, 0, following, following_live, True, STREAMS, SPARSE, R3, RP3, R4, RP4,
-                                   PAGE, W, D, NG, FORMAT)
-                        async_copy.commit_group()
-                scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
-                scores = _mask_chunk(scores, (first + step) * PAGE + c * CHUNK, tokens, current_live, packed_end, SINK,
-                                     CHUNK)
-                weights, sums, mins, acc, run_max = _chunk_weights(scores, sums, mins, acc, run_max, TO_SCORES, CHUNK,
-                                                                   MMA, LAZY, SCALED)
-                if STAGGERED:
-                    if c == 0:  # this page's values have landed (the next page's keys may be in flight)
-                        if PAGE == CHUNK:
-                            async_copy.wait_group(1)
-                        else:
-                            async_copy.wait_group(0)
-                p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-                acc, mins = _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D,
-                                        NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
-                if STREAMS == 2:
-                    acc, mins = _add_values(acc, mins, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK,
-                                            W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
-                if SPARSE >= 1:
-                    acc, mins = _add_sparse_values(acc, mins, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG,
-                                                   MMA, A_OP, B_OP, VT3, GB3, VA3, SCALED)
+                    following, following_live = _page_tile(step + 1, count, first, seq, head, table_ptr, pool_pages,
+                                                           max_pages)
+                else:
+                    ahead = (base + step + STAGES - 1) % STAGES
+                    tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages,
+                                            max_pages)
+                    if PERSIST > 0:  # the item's last page: the next item's first page is copied
+                        tile = gl.where(step + 1 < count, tile, n_tile)
+                        live = gl.where(step + 1 < count, live, n_live)
+                    _copy_page(key_tiles, ahead, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                               FORMAT)
+                    _copy_page(value_tiles, ahead, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                               FORMAT)
+                    async_copy.commit_group()
+                    if STAGES == 2:
+                        following = tile
+                    else:
+                        following, _following_live = _page_tile(step + 1, count, first, seq, head, table_ptr,
+                                                                pool_pages, max_pages)
+                if FORMAT == NVFP4:
+                    terms = tile_scales
+                    tile_scales = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, following, 0, zeros_b8, zeros_c8, D, W,
+                                              A_OP, B8, KM, FORMAT, PRECISE)
+                    if STREAMS == 2:
+                        terms2 = tile_scales2
+                        tile_scales2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, following, 0, zeros_b8,
+                                                   zeros_c8, D, W, A_OP, B8, KM, FORMAT, PRECISE)
+                current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
+                if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
+                    meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SB3,
+                                         GB3, SCALED)
                 if SPARSE >= 2:
-                    acc, mins = _add_sparse_values(acc, mins, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG,
-                                                   MMA, A_OP, B_OP, VT4, GB4, VA4, SCALED)
-            if STAGGERED:  # every value tile of the page is read
-                _copy_page(value_tiles, 0, following, following_live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE,
-                           W, D, NG, FORMAT)
+                    meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, SB4,
+                                         GB4, SCALED)
+                if STAGGERED:
+                    async_copy.wait_group(1)  # this page's keys have landed (its values may be in flight)
+                else:
+                    async_copy.wait_group(STAGES - 1)  # this page's copies have landed in shared memory
+                stage = (base + step) % STAGES
+                if FORMAT == ROTATED:
+                    terms = (0.0, 0.0)
+                    terms2 = (0.0, 0.0)
+                if FORMAT == INT4:  # the key metadata is in shared memory: read it after waiting
+                    terms = _page_terms(query, ks_s, km_s, km_ptr, vm_ptr, current, stage, zeros_b8, zeros_c8, D, W,
+                                        A_OP, B8, KM, FORMAT, PRECISE)
+                    if STREAMS == 2:  # its scaled query is made where its product needs it (fewer live registers)
+                        offset2 = _key_offset(query, km2_s, stage, zeros_b8, zeros_c8, D, W, B8, KM)
+                if FORMAT == INT4:  # the streams' q . min start the score accumulator
+                    offset = terms[1]
+                    if STREAMS == 2:
+                        offset = offset + offset2
+                    offset = offset * KEY_UNIT  # the key codes' products are in units of KEY_UNIT
+                    start = gl.convert_layout(_tile_columns(offset, CHUNK), MMA, assert_trivial=True)
+                else:
+                    start = zero_scores
+                for c in gl.static_range(PAGE // CHUNK):
+                    both = _add_key_scores(start, query, terms, kw_s, ks_s, stage, c, zero_scores, PAGE, CHUNK, W, D, B_OP,
+                                           KW, FORMAT)
+                    if STREAMS == 2:
+                        if FORMAT == INT4:
+                            terms2 = (_scaled_query(query, ks2_s, stage, D, W, A_OP, KM, PRECISE), offset2)
+                        both = _add_key_scores(both, query, terms2, kw2_s, ks2_s, stage, c, zero_scores, PAGE, CHUNK, W, D,
+                                               B_OP, KW, FORMAT)
+                    if SPARSE >= 1:
+                        both = _add_sparse_scores(both, query, kw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
+                                                  B_OP, KW3, SB3)
+                    if SPARSE >= 2:
+                        both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
+                                                  B_OP, KW4, SB4)
+                    if STAGGERED:
+                        if c == PAGE // CHUNK - 1:  # every key tile of the page is read
+                            _copy_page(key_tiles, 0, following, following_live, True, STREAMS, SPARSE, R3, RP3, R4, RP4,
+                                       PAGE, W, D, NG, FORMAT)
+                            async_copy.commit_group()
+                    scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
+                    scores = _mask_chunk(scores, (first + step) * PAGE + c * CHUNK, tokens, current_live, packed_end, SINK,
+                                         CHUNK)
+                    weights, sums, mins, acc, run_max = _chunk_weights(scores, sums, mins, acc, run_max, TO_SCORES, CHUNK,
+                                                                       MMA, LAZY, SCALED)
+                    if STAGGERED:
+                        if c == 0:  # this page's values have landed (the next page's keys may be in flight)
+                            if PAGE == CHUNK:
+                                async_copy.wait_group(1)
+                            else:
+                                async_copy.wait_group(0)
+                    p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
+                    acc, mins = _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D,
+                                            NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
+                    if STREAMS == 2:
+                        acc, mins = _add_values(acc, mins, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK,
+                                                W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
+                    if SPARSE >= 1:
+                        acc, mins = _add_sparse_values(acc, mins, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG,
+                                                       MMA, A_OP, B_OP, VT3, GB3, VA3, SCALED)
+                    if SPARSE >= 2:
+                        acc, mins = _add_sparse_values(acc, mins, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG,
+                                                       MMA, A_OP, B_OP, VT4, GB4, VA4, SCALED)
+                if STAGGERED:  # every value tile of the page is read
+                    _copy_page(value_tiles, 0, following, following_live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE,
+                               W, D, NG, FORMAT)
+                    async_copy.commit_group()
+        if PERSIST > 0:
+            if count == 0:  # no page of this item copied the next item's first page
+                async_copy.wait_group(0)
+                _copy_page(key_tiles, base, n_tile, n_live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
+                           FORMAT)
+                _copy_page(value_tiles, base, n_tile, n_live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D,
+                           NG, FORMAT)
                 async_copy.commit_group()
-    async_copy.wait_group(0)
-    total = gl.sum(sums, axis=1)
-    if SCALED:  # before the windows, whose values are plain
-        acc = _codes_to_values(acc, mins, D, W, MMA, FORMAT)
-        total = total * (1.0 / (1 << SCALED_HEADROOM_LOG2))
+            base = (base + count) % STAGES
+        else:
+            async_copy.wait_group(0)
+        total = gl.sum(sums, axis=1)
+        if SCALED:  # before the windows, whose values are plain
+            acc = _codes_to_values(acc, mins, D, W, MMA, FORMAT)
+            total = total * (1.0 / (1 << SCALED_HEADROOM_LOG2))
 
-    if WINDOWS:
-        if split == window_split:
-            # A lost page among the last pages before the ring ends the pages there; an earlier one
-            # ends them before the ring's oldest position, so these columns decide.
-            WP: gl.constexpr = _window_columns(RING, PAGE)
-            near = gl.maximum(visible - RING, 0) // PAGE + gl.arange(0, WP, layout=gl.BlockedLayout([1], [32], [1], [0]))
-            ends = gl.cdiv(packed_end, PAGE)
-            entries = gl.load(table_ptr + seq * max_pages + near, mask=near < ends, other=0)
-            lost = gl.min(gl.where((entries < 0) & (near < ends), near, ends), axis=0)
-            packed_end = gl.minimum(packed_end, lost * PAGE)
-            window = ((window_loop * sequences + seq) * kv_heads + head).to(gl.int64)
-            if SINK > 0:
-                for chunk in range(gl.cdiv(SINK, 16)):
+        if WINDOWS:
+            if split == window_split:
+                # A lost page among the last pages before the ring ends the pages there; an earlier one
+                # ends them before the ring's oldest position, so these columns decide.
+                WP: gl.constexpr = _window_columns(RING, PAGE)
+                near = gl.maximum(visible - RING, 0) // PAGE + gl.arange(0, WP, layout=gl.BlockedLayout([1], [32], [1], [0]))
+                ends = gl.cdiv(packed_end, PAGE)
+                entries = gl.load(table_ptr + seq * max_pages + near, mask=near < ends, other=0)
+                lost = gl.min(gl.where((entries < 0) & (near < ends), near, ends), axis=0)
+                packed_end = gl.minimum(packed_end, lost * PAGE)
+                window = ((window_loop * sequences + seq) * kv_heads + head).to(gl.int64)
+                if SINK > 0:
+                    for chunk in range(gl.cdiv(SINK, 16)):
+                        slot_index = chunk * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, tokens_w_layout(MMA)))
+                        valid = (slot_index < SINK) & (slot_index < visible)
+                        total, run_max, acc = _window_chunk(
+                            query, sink_k_ptr + window * (SINK * D), sink_v_ptr + window * (SINK * D), chunk * 16,
+                            SINK, valid, total, run_max, acc, D, W, A_OP, B_OP, MMA)
+                for chunk in range(gl.cdiv(RING, 16)):
                     slot_index = chunk * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, tokens_w_layout(MMA)))
-                    valid = (slot_index < SINK) & (slot_index < visible)
+                    behind = visible - 1 - slot_index
+                    position = slot_index + RING * (gl.maximum(behind, 0) // RING)
+                    valid = ((slot_index < RING) & (behind >= 0) & (position >= gl.maximum(packed_end, SINK))
+                             & (position < visible))
                     total, run_max, acc = _window_chunk(
-                        query, sink_k_ptr + window * (SINK * D), sink_v_ptr + window * (SINK * D), chunk * 16,
-                        SINK, valid, total, run_max, acc, D, W, A_OP, B_OP, MMA)
-            for chunk in range(gl.cdiv(RING, 16)):
-                slot_index = chunk * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, tokens_w_layout(MMA)))
-                behind = visible - 1 - slot_index
-                position = slot_index + RING * (gl.maximum(behind, 0) // RING)
-                valid = ((slot_index < RING) & (behind >= 0) & (position >= gl.maximum(packed_end, SINK))
-                         & (position < visible))
-                total, run_max, acc = _window_chunk(
-                    query, ring_k_ptr + window * (RING * D), ring_v_ptr + window * (RING * D), chunk * 16,
-                    RING, valid, total, run_max, acc, D, W, A_OP, B_OP, MMA)
+                        query, ring_k_ptr + window * (RING * D), ring_v_ptr + window * (RING * D), chunk * 16,
+                        RING, valid, total, run_max, acc, D, W, A_OP, B_OP, MMA)
 
-    slot = partial * slots + split
-    o_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    o_chan = _value_physical(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), W)
-    # The group's rows only (rows past GROUP are padding; nothing reads them); SCALED: each channel from
-    # the columns of its value group.
-    o_keep = gl.expand_dims(row_block * 8 + o_rows % GP < GROUP, 0)
-    if SCALED:
-        o_keep = o_keep & (gl.expand_dims(o_rows // GP, 0) == gl.expand_dims(o_chan // (D // SG), 1))
-    gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows % GP, 0) * D + gl.expand_dims(o_chan, 1), acc,
-             mask=o_keep)
-    r_sum = gl.arange(0, 8, layout=total.type.layout)
-    gl.store(sum_ptr + slot * 8 + r_sum, total, mask=row_block * 8 + r_sum < GROUP)
-    r_max = gl.arange(0, 8, layout=run_max.type.layout)
-    gl.store(max_ptr + slot * 8 + r_max, run_max, mask=row_block * 8 + r_max < GROUP)
-    if MERGE:
-        # Release this program's partials, count it; the last of its (sequence, head) merges them.
-        done = gl.atomic_add(counter_ptr + program, 1, sem="acq_rel", scope="gpu")
-        if done == slots - 1:
-            _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D, GROUP, MERGE_REGS)
+        slot = partial * slots + split
+        o_rows = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        o_chan = _value_physical(gl.arange(0, D, layout=gl.SliceLayout(1, MMA)), W)
+        # The group's rows only (rows past GROUP are padding; nothing reads them); SCALED: each channel from
+        # the columns of its value group.
+        o_keep = gl.expand_dims(row_block * 8 + o_rows % GP < GROUP, 0)
+        if SCALED:
+            o_keep = o_keep & (gl.expand_dims(o_rows // GP, 0) == gl.expand_dims(o_chan // (D // SG), 1))
+        gl.store(out_ptr + slot * (8 * D) + gl.expand_dims(o_rows % GP, 0) * D + gl.expand_dims(o_chan, 1), acc,
+                 mask=o_keep)
+        r_sum = gl.arange(0, 8, layout=total.type.layout)
+        gl.store(sum_ptr + slot * 8 + r_sum, total, mask=row_block * 8 + r_sum < GROUP)
+        r_max = gl.arange(0, 8, layout=run_max.type.layout)
+        gl.store(max_ptr + slot * 8 + r_max, run_max, mask=row_block * 8 + r_max < GROUP)
+        if MERGE:
+            # Release this program's partials, count it; the last of its (sequence, head) merges them.
+            done = gl.atomic_add(counter_ptr + program, 1, sem="acq_rel", scope="gpu")
+            if done == slots - 1:
+                _merge_partials(out_ptr, sum_ptr, max_ptr, final_ptr, program, slots, D, GROUP, MERGE_REGS)
+    if PERSIST > 0:
+        async_copy.wait_group(0)  # the last item's copy of a next first page (none: zero-filled)
