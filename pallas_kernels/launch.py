@@ -20,6 +20,8 @@ until an upper bound on its shared memory fits the target.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 # Maximum shared memory per thread block (the opt-in maximum), bytes, by
@@ -59,6 +61,25 @@ def local_capability() -> int | None:
         return None
     capability = getattr(device, "compute_capability", None)
     return int(str(capability).replace(".", "")) if capability else None
+
+
+@functools.cache
+def local_sm_count() -> int | None:
+    """Streaming multiprocessors of the first local GPU (e.g. 132 on an H200), or None without one or
+    where neither jax (the device's ``core_count``) nor triton's driver reports it."""
+    try:
+        device, *_ = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return None
+    count = getattr(device, "core_count", None)
+    if not count:
+        try:
+            from triton.runtime import driver
+
+            count = driver.active.utils.get_device_properties(device.local_hardware_id)["multiprocessor_count"]
+        except Exception:  # no triton, or a driver without the query: unknown
+            return None
+    return int(count)
 
 
 def page_kernel_shared_bytes(stages: int, *, page_bytes: int, tile_bytes: int) -> int:

@@ -191,6 +191,19 @@ def test_persistent_programs_give_the_same_bits(rng, loops, format, page_size, p
                             for programs in (persistent, None)), "lost page")
 
 
+def test_where_programs_are_persistent_by_default():
+    """One INT4 stream at head_dim 128, two stages, at least two waves of items, a known SM count."""
+    from jflashloop_triton_kernels import launch
+
+    where = dict(format="int4", head_dim=128, streams=1, sparse_rows=(), stages=2, overlap=False, sm_count=132)
+    wave = 132 * launch.PERSISTENT_BLOCKS_PER_SM
+    assert launch.preferred_persistent_programs(**where, items=2112) == wave  # B8 Hq32 Hkv8 T32K
+    assert launch.preferred_persistent_programs(**where, items=1040) == 0  # B1 Hq16 Hkv16 T64K: one wave
+    for change in (dict(format="nvfp4"), dict(head_dim=64), dict(streams=2), dict(sparse_rows=(16,)),
+                   dict(stages=1), dict(overlap=True), dict(sm_count=None)):
+        assert launch.preferred_persistent_programs(**{**where, **change}, items=4 * wave) == 0, change
+
+
 def test_persistent_programs_refuse_what_they_cannot_run():
     """Persistent programs hand each item's first page to the plain two-stage loop."""
     config = one_loop_config(64, 16, num_kv_heads=1, max_pages_per_sequence=4, num_pages=8)

@@ -358,7 +358,9 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     * ``persistent_programs`` (pipelined kernel, two stages, not ``overlap``
       or ``stagger``): at most that many programs, each taking the split-KV
       items in turn, the next item's first page copied during this one's
-      last. None or 0: one program per item.
+      last; 0: one program per item. None:
+      :func:`jflashloop_triton_kernels.launch.preferred_persistent_programs`
+      (one INT4 stream at head_dim 128 over at least two waves of items).
     * ``state``, ``limits``: the pipelined kernel's ``(lengths, active)``
       arrays and static ``(pending, capacity, recent_tokens)``
       (``jflashloop.ops._decode_attention.kernel_inputs``): it works out the
@@ -427,6 +429,12 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
     if maxnreg is None and pipelined:
         maxnreg = launch.preferred_maxnreg(loops[0].keys.format)
+    if persistent_programs is None:
+        persistent_programs = launch.preferred_persistent_programs(
+            format=loops[0].keys.format, head_dim=head_dim, streams=streams_read, sparse_rows=sparse_rows,
+            stages=stages if pipelined else None, overlap=overlap,
+            items=sequences * kv_heads * row_blocks * (splits + 1 if fused_windows else splits),
+            sm_count=None if emulate else pallas_launch.local_sm_count())
     if precise is None:
         precise = True
     if lazy is None:

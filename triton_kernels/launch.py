@@ -35,6 +35,8 @@ OVERLAP_HEAD_DIMS = (256,)  # INT4, one stream: the next page's scores before th
 OVERLAP_PAGE_SIZES = (64,)  # at these page sizes (measured there; ptxas spills more with it at 128 tokens)
 OVERLAP_STAGES = 3  # the overlapped loop keeps a page in flight besides the two it works on
 STAGGER = True  # one stage (chains): keys and values as two copy groups (gluon_decode; bench/KERNEL_NOTES.md)
+PERSISTENT_BLOCKS_PER_SM = 8  # INT4, one stream, head_dim 128: 204-226 registers, 8 one-warp programs an SM
+PERSISTENT_MIN_WAVES = 2  # persistent programs by default where the items fill at least this many waves
 
 
 SCALED_ROTATED = False  # int4_rotated values on the probabilities by default (gluon_decode; no faster on the H200)
@@ -159,6 +161,25 @@ def preferred_overlap(*, format: str, head_dim: int, page_size: int, streams: in
     """
     return (format == "int4" and head_dim in OVERLAP_HEAD_DIMS and page_size in OVERLAP_PAGE_SIZES
             and streams == 1 and not sparse_rows)
+
+
+def preferred_persistent_programs(*, format: str, head_dim: int, streams: int, sparse_rows: tuple[int, ...],
+                                  stages: int | None, overlap: bool, items: int, sm_count: int | None) -> int:
+    """Persistent programs of the pipelined kernel by default (``persistent_programs``; 0: one program per
+    item): ``sm_count * PERSISTENT_BLOCKS_PER_SM`` for one INT4 stream at head_dim 128 in the plain loop of
+    two stages, where the ``items`` (sequences x row programs x slots) fill at least
+    :data:`PERSISTENT_MIN_WAVES` waves of them; else 0 (also where the GPU's SM count is unknown).
+
+    Measured on the H200 (``bench/RESULTS.md``, call 43): at B8 Hq32 Hkv8 T32K (2112 items, 1056
+    programs) the page kernel took 82.4-82.8 us against 85.0 (0.089-0.091 against 0.093-0.094 ms queued);
+    at T128K 309.6-315.8 against 312.6-316.6 us; at B1 Hq16 Hkv16 T64K (1040 items, one a program)
+    42.3-42.4 against 41.7 us, which the rule leaves alone.
+    """
+    if (sm_count is None or format != "int4" or head_dim != 128 or streams != 1 or sparse_rows or stages != 2
+            or overlap):
+        return 0
+    programs = sm_count * PERSISTENT_BLOCKS_PER_SM
+    return programs if items >= PERSISTENT_MIN_WAVES * programs else 0
 
 
 def preferred_maxnreg(format: str) -> int | None:
