@@ -43,8 +43,8 @@ def test_each_layer_is_stored_in_its_own_policy(rng):
 
 @pytest.mark.parametrize("layer", [1, 2])  # layer 0 is the uniform policy's, tested everywhere else
 def test_the_fused_kernel_reads_each_layer_in_its_format(rng, layer):
-    config = three_policies(max_sequences=2)
-    cache, _ = build(rng, config, prompt_lengths=[37, 20], steps=1)
+    config = three_policies()  # the other tests' config and prompt shape: their compiled prefill and append
+    cache, _ = build(rng, config, prompt_lengths=[37, 20, 5], steps=1, padded_tokens=50)
     queries = jnp.asarray(rng.standard_normal((config.max_sequences, 4, HEAD_DIM)), jnp.float32)
     precise = KernelConfig(products="float32", num_splits=1)
     for loop in (config.num_loops - 1,):  # the whole chain, sparse loops included
