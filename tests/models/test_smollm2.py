@@ -33,9 +33,9 @@ GENERATED_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def model():
-    """``(params, config, tokenizer)`` with float32 weights, loaded once per module."""
-    return gguf_loader.load_smollm2()
+def model(smollm2):
+    """``(params, config, tokenizer)`` with float32 weights (the run's one copy: tests/conftest.py)."""
+    return smollm2
 
 
 @pytest.fixture(scope="module")
