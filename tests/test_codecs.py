@@ -160,9 +160,10 @@ def test_storage_accounting():
 def test_packed_is_a_pytree_that_jits_and_vmaps(rng):
     x = jnp.asarray(rng.standard_normal((3, 70, 2, 20)).astype(np.float32))
     for spec in (jflashloop.INT4_KEYS, jflashloop.NVFP4):
-        batched = jax.vmap(lambda x, spec=spec: jflashloop.encode(x, spec))(x)
+        # Jitted and vmapped (the Packed pytree leaves one jit and enters the next), against eager calls.
+        batched = jax.jit(jax.vmap(lambda x, spec=spec: jflashloop.encode(x, spec)))(x)
         assert batched.payload.shape == (3, 70, 2, 10)
-        decoded = jax.vmap(jflashloop.decode)(batched)
+        decoded = jax.jit(jax.vmap(jflashloop.decode))(batched)
         for i in range(3):
             single = jflashloop.encode(x[i], spec)
             chex.assert_trees_all_equal(jax.tree.map(lambda a, i=i: a[i], batched), single)
