@@ -158,9 +158,9 @@ class DecodeAttentionTest:
 
     @pytest.mark.parametrize("group", [1, 4, 8])
     def test_gqa_matches_float64_oracle(self, rng, group):
-        config = small_config(max_sequences=2)
-        cache, history = build(rng, config, prompt_lengths=[45, 23], steps=3)
-        queries = jnp.asarray(rng.standard_normal((2, HEADS * group, HEAD_DIM)) * 2, jnp.float32)
+        config = small_config()  # slot 2 stays empty; prompts padded to 64 like the other small_config builds
+        cache, history = build(rng, config, prompt_lengths=[45, 23], steps=3, padded_tokens=64)
+        queries = jnp.asarray(rng.standard_normal((3, HEADS * group, HEAD_DIM)) * 2, jnp.float32)
         out = np.asarray(self.attend(queries, cache, 0, 3))
         for slot in range(2):
             keys, values = oracle_sequence(cache, history.keys, history.values, 0, 3, slot)
@@ -189,7 +189,7 @@ class DecodeAttentionTest:
 
     def test_empty_sequences_give_zeros(self, rng):
         config = small_config()
-        cache, _ = build(rng, config, prompt_lengths=[20], steps=0)  # slots 1 and 2 are empty
+        cache, _ = build(rng, config, prompt_lengths=[20], steps=0, padded_tokens=64)  # slots 1 and 2 are empty
         queries = jnp.asarray(rng.standard_normal((3, 4, HEAD_DIM)), jnp.float32)
         out = np.asarray(self.attend(queries, cache, 0, 1))
         assert np.isfinite(out).all()
@@ -293,7 +293,7 @@ def test_pair_order_matches_the_unpacking():
 
 def test_public_dispatch_picks_the_backend(rng):
     config = small_config()
-    cache, _ = build(rng, config, prompt_lengths=[20], steps=0)
+    cache, _ = build(rng, config, prompt_lengths=[20], steps=0, padded_tokens=64)
     queries = jnp.asarray(rng.standard_normal((3, 4, HEAD_DIM)), jnp.float32)
     auto = jflashloop.decode_attention(queries, cache, 0, 0)
     chosen = "xla"
