@@ -183,3 +183,16 @@ def test_merge_with_more_registers_keeps_eight_warps_per_sm():
     assert resources["spill_stores"] == 0
     assert 8 * 32 * resources["registers"] <= 65536
 
+
+
+def test_persistent_programs_keep_eight_warps_per_sm():
+    """Persistent programs (the B8 Hq32 Hkv8 plan: group 4, 1056 programs) hold the next item's entry,
+    length and query rows across an item: still no spills, registers for 8 one-warp blocks per SM
+    (``launch.PERSISTENT_BLOCKS_PER_SM``), and no decoded tile through shared memory."""
+    from jflashloop_triton_kernels import launch
+
+    compiled = compile_check.compile_pages_kernel("pipelined", group=4, persist=1056)
+    resources = compile_check.ptxas_resources(compiled.asm["ptx"], "sm_90a")
+    assert resources["spill_stores"] == 0
+    assert launch.PERSISTENT_BLOCKS_PER_SM * 32 * resources["registers"] <= 65536
+    assert _count(compiled.asm["ptx"], r"st\.shared") == 0
