@@ -184,7 +184,10 @@ def test_smollm2_real_weights_loop_matches_reference_decoding(smollm2):
     params, config, tokenizer = smollm2
     ids = np.asarray(tokenizer.encode("The capital of France is Paris. The capital of Italy is").ids, np.int32)
     steps = 4
-    _, keys, values, _ = llama.prefill(params, config, jnp.asarray(ids[:-1]))
+    # Padded to the reference's length below (causal: the prompt's K/V are those of the prompt alone), so both
+    # prefills are one compiled program.
+    _, keys, values, _ = llama.prefill(params, config, jnp.asarray(np.pad(ids[:-1], (0, steps))))
+    keys, values = keys[:, :len(ids) - 1], values[:, :len(ids) - 1]
     cache_config = CacheConfig.for_sequences(num_layers=config.num_layers, num_kv_heads=config.num_key_value_heads,
                                              head_dim=config.head_dim, max_tokens=128)
     cache = cache_hooks.prefill_one_loop(paged_cache.create(cache_config), 0, keys, values)
