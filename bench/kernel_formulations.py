@@ -41,7 +41,9 @@ from jflashloop_triton_kernels import launch as gluon_launch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import decode as bench
 
-SHAPES = [bench.SHAPES[1], bench.SHAPES[4], bench.SHAPES[2], bench.SHAPES[0], bench.SHAPES[6], bench.SHAPES[7]]
+# Indices 0-6: T32K, B1 T64K, T128K, T4K, head_dim 64, head_dim 256, B16 Hq16 Hkv16 T8K.
+SHAPES = [bench.SHAPES[1], bench.SHAPES[4], bench.SHAPES[2], bench.SHAPES[0], bench.SHAPES[6], bench.SHAPES[7],
+          bench.SHAPES[5]]
 
 
 def formulation(name, loop=0, pages_only=False):
