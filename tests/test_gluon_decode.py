@@ -199,6 +199,12 @@ def test_where_programs_are_persistent_by_default():
     wave = 132 * launch.PERSISTENT_BLOCKS_PER_SM
     assert launch.preferred_persistent_programs(**where, items=2112) == wave  # B8 Hq32 Hkv8 T32K
     assert launch.preferred_persistent_programs(**where, items=1040) == 0  # B1 Hq16 Hkv16 T64K: one wave
+    # B16 Hq16 Hkv16 T8K: 2304 items are three rounds of 768 programs, too few for the wave
+    assert launch.preferred_persistent_programs(**where, items=2304) == 0
+    assert launch.preferred_persistent_programs(**where, items=2 * 1030) == 1030  # even rounds of 97.5% of a wave
+    assert launch.preferred_persistent_programs(**where, items=2 * 1030 + 1) == 1031  # one program an item less
+    assert launch.preferred_persistent_programs(**where, items=2 * 990) == 0  # rounds of 94% of a wave
+    assert launch.preferred_persistent_programs(**where, items=3 * wave) == wave
     for change in (dict(format="nvfp4"), dict(head_dim=64), dict(streams=2), dict(sparse_rows=(16,)),
                    dict(stages=1), dict(overlap=True), dict(sm_count=None)):
         assert launch.preferred_persistent_programs(**{**where, **change}, items=4 * wave) == 0, change

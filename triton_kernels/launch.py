@@ -37,6 +37,7 @@ OVERLAP_STAGES = 3  # the overlapped loop keeps a page in flight besides the two
 STAGGER = True  # one stage (chains): keys and values as two copy groups (gluon_decode; bench/KERNEL_NOTES.md)
 PERSISTENT_BLOCKS_PER_SM = 8  # INT4, one stream, head_dim 128: 204-226 registers, 8 one-warp programs an SM
 PERSISTENT_MIN_WAVES = 2  # persistent programs by default where the items fill at least this many waves
+PERSISTENT_MIN_FILL = 0.95  # ... and share out evenly over programs that fill this much of a wave
 
 
 SCALED_ROTATED = False  # int4_rotated values on the probabilities by default (gluon_decode; no faster on the H200)
@@ -166,20 +167,30 @@ def preferred_overlap(*, format: str, head_dim: int, page_size: int, streams: in
 def preferred_persistent_programs(*, format: str, head_dim: int, streams: int, sparse_rows: tuple[int, ...],
                                   stages: int | None, overlap: bool, items: int, sm_count: int | None) -> int:
     """Persistent programs of the pipelined kernel by default (``persistent_programs``; 0: one program per
-    item): ``sm_count * PERSISTENT_BLOCKS_PER_SM`` for one INT4 stream at head_dim 128 in the plain loop of
-    two stages, where the ``items`` (sequences x row programs x slots) fill at least
-    :data:`PERSISTENT_MIN_WAVES` waves of them; else 0 (also where the GPU's SM count is unknown).
+    item), for one INT4 stream at head_dim 128 in the plain loop of two stages, where the GPU's SM count is
+    known and the ``items`` (sequences x row programs x slots) fill at least :data:`PERSISTENT_MIN_WAVES`
+    waves of ``sm_count * PERSISTENT_BLOCKS_PER_SM`` programs; else 0.
 
-    Measured on the H200 (``bench/RESULTS.md``, call 43): at B8 Hq32 Hkv8 T32K (2112 items, 1056
-    programs) the page kernel took 82.4-82.8 us against 85.0 (0.089-0.091 against 0.093-0.094 ms queued);
-    at T128K 309.6-315.8 against 312.6-316.6 us; at B1 Hq16 Hkv16 T64K (1040 items, one a program)
-    42.3-42.4 against 41.7 us, which the rule leaves alone.
+    Program ``p`` takes items ``p, p + P, p + 2P, ...``, so the programs are as many as share the items
+    out evenly over the same number of rounds (``ceil(items / rounds)``), and persistence is used only
+    where the items fill :data:`PERSISTENT_MIN_FILL` of those rounds' waves: a last round that only some
+    programs take makes them the call's tail, which the hardware's own scheduling of one program per item
+    avoids.
+
+    Measured on the H200 (``bench/RESULTS.md``, calls 43-45): at B8 Hq32 Hkv8 T32K (2112 items: two
+    rounds of 1056 programs) the page kernel took 82.4-83.7 us against 85.0-86.0 (0.089-0.091 against
+    0.092-0.094 ms queued); at T128K 308.4 against 315.4 us; at B1 Hq16 Hkv16 T64K (1040 items, one
+    a program) 42.3-42.4 against 41.7 us; at B16 Hq16 Hkv16 T8K (2304 items: 1056 programs left 192 of
+    them a third item) 114.1 against 89.9 us, which this rule leaves out.
     """
     if (sm_count is None or format != "int4" or head_dim != 128 or streams != 1 or sparse_rows or stages != 2
             or overlap):
         return 0
-    programs = sm_count * PERSISTENT_BLOCKS_PER_SM
-    return programs if items >= PERSISTENT_MIN_WAVES * programs else 0
+    wave = sm_count * PERSISTENT_BLOCKS_PER_SM
+    rounds = -(-items // wave)
+    if rounds < PERSISTENT_MIN_WAVES:
+        return 0
+    return -(-items // rounds) if items >= PERSISTENT_MIN_FILL * rounds * wave else 0
 
 
 def preferred_maxnreg(format: str) -> int | None:
