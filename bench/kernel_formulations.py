@@ -41,9 +41,10 @@ from jflashloop_triton_kernels import launch as gluon_launch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import decode as bench
 
-# Indices 0-6: T32K, B1 T64K, T128K, T4K, head_dim 64, head_dim 256, B16 Hq16 Hkv16 T8K.
+# Indices 0-7: T32K, B1 T64K, T128K, T4K, head_dim 64, head_dim 256, B16 Hq16 Hkv16 T8K, and one layer of the
+# Ouro-1.4B-shaped looped model's end-to-end step at batch 8 and 16K tokens (bench/end_to_end.py).
 SHAPES = [bench.SHAPES[1], bench.SHAPES[4], bench.SHAPES[2], bench.SHAPES[0], bench.SHAPES[6], bench.SHAPES[7],
-          bench.SHAPES[5]]
+          bench.SHAPES[5], bench.SHAPES[5]._replace(name="B8 Hq16 Hkv16 T16K", sequences=8, tokens=16384)]
 
 
 def formulation(name, loop=0, pages_only=False):

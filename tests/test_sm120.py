@@ -171,13 +171,13 @@ def test_split_count_rejects_empty_sizes():
         gluon_launch.split_count(0, 10)
 
 
-def test_preferred_target_programs_one_wave_only_for_one_nvfp4_stream():
-    assert gluon_launch.preferred_target_programs(format="nvfp4") == gluon_launch.NVFP4_TARGET_PROGRAMS == 1024
-    for where in (dict(format="int4"), dict(format="int4_rotated"), dict(format="nvfp4", streams=2),
-                  dict(format="nvfp4", streams=3)):
+def test_preferred_target_programs_are_two_waves_for_every_format():
+    for where in (dict(format="int4"), dict(format="int4_rotated"), dict(format="nvfp4"),
+                  dict(format="nvfp4", streams=2), dict(format="nvfp4", streams=3)):
         assert gluon_launch.preferred_target_programs(**where) == gluon_launch.TARGET_PROGRAMS == 2048, where
-    # B8 Hkv8 T32K: 16 splits of 32 pages (1024 programs) for NVFP4, 32 of 16 for the others
-    assert gluon_launch.split_count(64, 512, target_programs=gluon_launch.NVFP4_TARGET_PROGRAMS) == 16
+    # B8 Hkv8 T32K: 32 splits of 16 pages; B16 Hkv16 T8K: 8 splits of 16 pages
+    assert gluon_launch.split_count(64, 512, target_programs=gluon_launch.TARGET_PROGRAMS) == 32
+    assert gluon_launch.split_count(256, 128, target_programs=gluon_launch.TARGET_PROGRAMS) == 8
 
 
 def test_preferred_maxnreg_caps_only_rotated_streams():

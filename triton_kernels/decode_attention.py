@@ -318,7 +318,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       loads straight to registers; windows by the Pallas window kernel) or
       ``"triton"`` (the simple kernel's algorithm in plain Triton).
     * ``splits``: split-KV programs per (sequence, KV head); None gives about
-      ``target_programs`` programs in all (None: the formats' measured best,
+      ``target_programs`` programs in all (None: the measured best,
       :func:`jflashloop_triton_kernels.launch.preferred_target_programs`), but no fewer than
       ``min_pages_per_split`` pages per program (twice that where a wave
       stays full: :func:`jflashloop_triton_kernels.launch.split_count`).

@@ -25,7 +25,6 @@ from jflashloop_pallas_kernels import launch
 
 TARGET_PROGRAMS = 2048  # about two waves of the page kernel on an H200 (132 SMs x 8 programs)
 WAVE_PROGRAMS = 1024  # about one wave: fewer programs leave SMs idle
-NVFP4_TARGET_PROGRAMS = 1024  # one NVFP4 stream: about one wave (preferred_target_programs)
 MIN_PAGES_PER_SPLIT = 8
 PREFERRED_STAGES = 2  # one stream (bench/KERNEL_NOTES.md, H200)
 CHAIN_STAGES = 1  # two or more streams (loops 2-4): the shared memory of a second stage halves the blocks per SM
@@ -124,16 +123,14 @@ def split_count(pairs: int, max_pages: int, *, target_programs: int = TARGET_PRO
 
 
 def preferred_target_programs(*, format: str, streams: int = 1) -> int:
-    """Programs the pipelined kernel's split-KV plan aims at (:func:`split_count`): :data:`NVFP4_TARGET_PROGRAMS`
-    for one NVFP4 stream, else :data:`TARGET_PROGRAMS`.
+    """Programs the pipelined kernel's split-KV plan aims at (:func:`split_count`): :data:`TARGET_PROGRAMS`
+    for every format and chain.
 
-    Measured on the H200 (``bench/RESULTS.md``, call 32, ms queued): NVFP4 at B8 Hq32 Hkv8 T32K 0.098 with
-    1024 programs against 0.104 with 2048 and 0.102 with 1452 (the 11 programs an SM holds at its 165
-    registers, x 132 SMs); at B1 Hq16 Hkv16 T64K the plan gives 1024 programs either way (0.052).
-    INT4 keeps 2048 (``bench/KERNEL_NOTES.md``: 1024 measured no faster there).
+    Measured on the H200 (``bench/RESULTS.md``, call 46, ms queued): one NVFP4 stream at 1024 programs (32
+    pages a split) took 0.124 ms at B16 Hq16 Hkv16 T8K against 0.095 at 2048 (16 pages a split), and 0.096
+    against 0.098 at B8 Hq32 Hkv8 T32K; at B1 Hq16 Hkv16 T64K both plans give 1024 programs. INT4 measured
+    no faster at 1024 (``bench/KERNEL_NOTES.md``).
     """
-    if format == "nvfp4" and streams == 1:
-        return NVFP4_TARGET_PROGRAMS
     return TARGET_PROGRAMS
 
 
