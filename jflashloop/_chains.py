@@ -95,6 +95,7 @@ def encode_loops(
     reconstruct_step: Callable[[Step, Value | None], Value],
     *,
     closed_loop: bool = True,
+    starts: Sequence[bool] | None = None,
 ) -> list[Step]:
     """Encode a chain: loop 0 on its own, every later loop against its predecessor.
 
@@ -108,24 +109,45 @@ def encode_loops(
         step's decoded residual.
       closed_loop: see ``encode_step``. The reconstruction is built from
         the steps in both modes (it is all a decoder has).
+      starts: None (only loop 0 starts the chain), or one bool per loop:
+        the loops encoded on their own (``predecessor`` None) like loop 0,
+        which must be True; later loops are against them.
     Returns:
       One step per loop.
     """
+    starts = _starts(starts, len(targets))
     steps, reconstructed = [], None
     for loop, target in enumerate(targets):
-        predecessor = reconstructed if closed_loop or loop == 0 else targets[loop - 1]
+        if starts[loop]:
+            predecessor = reconstructed = None
+        else:
+            predecessor = reconstructed if closed_loop else targets[loop - 1]
         steps.append(encode_step(loop, target, predecessor))
         if loop + 1 < len(targets):
             reconstructed = reconstruct_step(steps[-1], reconstructed)
     return steps
 
 
-def decode_loops(steps: Sequence[Step], reconstruct_step: Callable[[Step, Value | None], Value], loop: int) -> Value:
-    """The reconstruction of loop ``loop`` (0-based) from the steps of :func:`encode_loops`."""
+def decode_loops(steps: Sequence[Step], reconstruct_step: Callable[[Step, Value | None], Value], loop: int,
+                 starts: Sequence[bool] | None = None) -> Value:
+    """The reconstruction of loop ``loop`` (0-based) from the steps of :func:`encode_loops` (``starts`` as
+    there): the steps from the last chain start up to ``loop``, in order."""
+    starts = _starts(starts, len(steps))
+    first = max(i for i in range(loop + 1) if starts[i])
     reconstructed = None
-    for step in steps[: loop + 1]:
+    for step in steps[first: loop + 1]:
         reconstructed = reconstruct_step(step, reconstructed)
     return reconstructed
+
+
+def _starts(starts: Sequence[bool] | None, loops: int) -> tuple[bool, ...]:
+    """``starts`` as a tuple of ``loops`` bools (None: loop 0 only); loop 0 must start the chain."""
+    if starts is None:
+        return (True,) + (False,) * (loops - 1)
+    starts = tuple(bool(start) for start in starts)
+    if len(starts) != loops or (loops and not starts[0]):
+        raise ValueError(f"starts must give {loops} bools, the first True (loop 0 starts the chain), got {starts}")
+    return starts
 
 
 # --------------------------------------------------------------------------- dense chains

@@ -82,9 +82,11 @@ def reconstruct_pages(history, page_size, sink_tokens, loops, row_positions, loo
 
     Args:
       history: float32 ``[loops, tokens, H, D]`` (values as the cache stores them).
-      loops: per loop ``(key_codec, value_codec, sparse_rows or None)`` -- only
+      loops: per loop ``(key_codec, value_codec, sparse_rows or None)`` or
+        ``(key_codec, value_codec, sparse_rows or None, direct)`` -- only
         one of K or V is rebuilt here, so pass the codec of that stream as
-        ``key_codec``.
+        ``key_codec``; a ``direct`` (dense) loop is coded on its own, like
+        loop 0, and later loops against it.
       row_positions: per loop, None or int ``[H, pages_total, rows]`` (-1 unused).
       pages: number of full pages to rebuild.
     """
@@ -99,9 +101,9 @@ def reconstruct_pages(history, page_size, sink_tokens, loops, row_positions, loo
                     tiles[:, r] = tiles[:, sink_tokens]
             reconstruction = None
             for loop_index in range(loop + 1):
-                codec, _, sparse_rows = loops[loop_index]
-                if reconstruction is None:
-                    reconstruction = round_trip(tiles[0][:, None, :], codec)[:, 0, :]
+                codec, _, sparse_rows, *direct = loops[loop_index]
+                if reconstruction is None or (direct and direct[0]):
+                    reconstruction = round_trip(tiles[loop_index][:, None, :], codec)[:, 0, :]
                     continue
                 residual = (tiles[loop_index] - reconstruction).astype(np.float32)
                 if sparse_rows is None:

@@ -104,11 +104,11 @@ def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_p
     policy = config.layer(layer).loops  # this layer's loops
     keys = reference.paged_cache.reconstruct_sequence(
         history_k[layer, :, slot],
-        loops=[(oracle_codec(s.key_spec), None, s.sparse_rows_per_page) for s in policy], **common,
+        loops=[(oracle_codec(s.key_spec), None, s.sparse_rows_per_page, s.direct) for s in policy], **common,
     )
     values = reference.paged_cache.reconstruct_sequence(
         history_v[layer, :, slot],
-        loops=[(oracle_codec(s.value_spec), None, s.sparse_rows_per_page) for s in policy], **common,
+        loops=[(oracle_codec(s.value_spec), None, s.sparse_rows_per_page, s.direct) for s in policy], **common,
     )
     return keys, values
 

@@ -507,6 +507,19 @@ def test_gluon_kernel_full_flashloop_chain(rng, page_size):
         assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
 
 
+def test_gluon_kernel_chain_after_a_direct_loop(rng):
+    """A direct loop 2 (stored on its own) and the sparse loops after it: the kernel reads one dense stream
+    and the sparse rows (loops 2-4 read no base)."""
+    config = small_config(num_loops=4, page_size=64, head_dim=64, max_pages_per_sequence=40, num_pages=128,
+                          direct_loop=True)
+    cache, _ = build(rng, config, prompt_lengths=[5 * 64 + 9, 3, 2 * 64], steps=2)
+    queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
+    for loop in (1, 3):
+        expected = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=True)
+        actual = gluon_attention(queries, cache, 1, include_pending=True, loop=loop)
+        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not COMPILED, reason="the public Gluon path runs on a GPU with jax_triton")
 def test_public_call_takes_the_pairs_for_float32_products(rng):
@@ -529,7 +542,8 @@ def test_gluon_kernel_reads_only_what_it_supports():
     formats = loop_formats(cache.config, 3)
     assert unsupported_reason(formats, chain.head_dim, 64, 4) is None
     assert unsupported_reason(formats[:2], chain.head_dim, 64, 4) is None
-    assert "after two dense" in unsupported_reason(formats[:1] + formats[2:3], chain.head_dim, 64, 4)
+    assert unsupported_reason(formats[:1] + formats[2:], chain.head_dim, 64, 4) is None  # after a direct loop
+    assert "up to two sparse" in unsupported_reason(formats + formats[2:3], chain.head_dim, 64, 4)
     assert "dense" in unsupported_reason(formats[:2], chain.head_dim, 64, 4, kernel="simple")
     assert "at most 8" in unsupported_reason(formats[:1], chain.head_dim, 64, 16)
 

@@ -46,8 +46,8 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel:
         return "the Gluon kernel reads chains whose loops share one format"
     keys, values = loops[0].keys, loops[0].values
     if sparse:
-        if kernel != "pipelined" or len(dense) != 2 or len(sparse) > 2:
-            return "the pipelined Gluon kernel reads sparse loops 3-4 after two dense loops"
+        if kernel != "pipelined" or len(sparse) > 2:
+            return "the pipelined Gluon kernel reads up to two sparse loops after one or two dense loops"
         row_spec = ("int4", "token", values.group_size)
         for loop in sparse:
             if ((loop.keys.format, loop.keys.axis, loop.keys.group_size) != row_spec
@@ -385,7 +385,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     if row_blocks > 1 and merge == "kernel":
         raise NotImplementedError("the in-kernel merge reads groups of at most 8 query rows")
     max_pages = block_tables.shape[1]
-    sparse_rows = tuple(loops[i].keys.rows for i in range(2, len(loops)))
+    dense = sum(not loop.sparse for loop in loops)  # the chain's dense streams, then its sparse ones
+    sparse_rows = tuple(loops[i].keys.rows for i in range(dense, len(loops)))
     if splits is None:
         if target_programs is None:
             target_programs = launch.preferred_target_programs(format=loops[0].keys.format, streams=len(loops))
@@ -402,9 +403,9 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     if fused_windows:
         windows = (sink_keys if sink_tokens else None, sink_values if sink_tokens else None, ring_keys, ring_values,
                    window_loop)
-    residual = (streams[1]["keys"], streams[1]["values"]) if len(loops) >= 2 else None
-    sparse = tuple(streams[i] for i in range(2, len(loops)))
-    streams_read = min(len(loops), 2)
+    residual = (streams[1]["keys"], streams[1]["values"]) if dense == 2 else None
+    sparse = tuple(streams[i] for i in range(dense, len(loops)))
+    streams_read = dense
     default_overlap = overlap is None
     if default_overlap:
         overlap = (pipelined and (stages is None or stages >= 2) and (chunk or page_size) == page_size

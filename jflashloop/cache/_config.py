@@ -24,11 +24,19 @@ class LoopStorage:
         page (per KV head) carry a residual, the others inherit the previous
         loop. Sparse codecs must group per token (``axis="token"``) so a
         compact row never shares metadata with another row.
+      direct: a dense loop after the base stored on its own, like the base,
+        instead of as a residual against the previous loop: it starts a new
+        chain (its reconstruction reads its own stream only, and later
+        loops' residuals are against it). False (the default) for a residual;
+        loop 0 always starts the chain. Reading loop ``r`` then reads only the
+        streams from its chain's start (:meth:`CacheConfig.chain_start`) to
+        ``r``: fewer bytes per attention call for the loops after a direct one.
     """
 
     key_spec: CodecSpec = INT4_KEYS
     value_spec: CodecSpec = INT4_VALUES
     sparse_rows_per_page: int | None = None
+    direct: bool = False
 
     @property
     def is_sparse(self) -> bool:
@@ -159,6 +167,10 @@ class CacheConfig:
                 raise TypeError(f"{name}[{index}] must be a LoopStorage, got {type(loop).__name__}")
             if loop.sparse_rows_per_page is not None:
                 _check_int(f"{name}[{index}].sparse_rows_per_page", loop.sparse_rows_per_page)
+            if not isinstance(loop.direct, bool):
+                raise TypeError(f"{name}[{index}].direct must be a bool, got {type(loop.direct).__name__}")
+            if loop.direct and loop.is_sparse:
+                raise ValueError(f"{name}[{index}]: a direct loop is stored whole, so it must be dense")
         if loops[0].is_sparse:
             raise ValueError(f"{name}[0] (the base) must be dense")
         for index, loop in enumerate(loops):
@@ -218,6 +230,16 @@ class CacheConfig:
         """Whether every layer stores its loops alike."""
         return self.layer_loops is None or all(loops == self.loops for loops in self.layer_loops)
 
+    def chain_start(self, loop: int) -> int:
+        """The loop whose stream starts loop ``loop``'s chain (0-based): the last loop ``<= loop`` that is
+        loop 0 or ``direct``. Loop ``loop`` reconstructs from the streams of loops ``chain_start(loop)``
+        to ``loop``."""
+        return max(i for i in range(loop + 1) if i == 0 or self.loops[i].direct)
+
+    def chain_starts(self) -> tuple[bool, ...]:
+        """Per loop, whether it starts a chain (loop 0 and the ``direct`` loops)."""
+        return tuple(i == 0 or loop.direct for i, loop in enumerate(self.loops))
+
     def rows(self, loop: int) -> int:
         """Stored rows per page of loop ``loop`` (0-based)."""
         storage = self.loops[loop]
@@ -236,6 +258,7 @@ class CacheConfig:
         num_loops: int = 4,
         page_size: int = 64,
         sparse_fractions: tuple[float, ...] = (0.25, 0.10),
+        direct_loop: bool = False,
         **kwargs,
     ) -> CacheConfig:
         """FlashLoop's default policy for a looped model.
@@ -244,13 +267,19 @@ class CacheConfig:
         over 64 channels); loop 1: dense INT4 residual; loops 2, 3, ...: compact
         sparse INT4 residuals (per token) for 25% and 10% of each page's tokens
         (rounded up to whole rows: 16 and 7 of 64).
+
+        ``direct_loop``: loop 1 stored on its own (:attr:`LoopStorage.direct`) rather than as a residual
+        against loop 0, in the same bytes; loops 2, 3, ... are then residuals against it, and reading
+        loop ``r >= 1`` reads loops ``1..r`` only (loop 0's stream not again).
         """
         if num_loops < 1:
             raise ValueError(f"num_loops must be >= 1, got {num_loops}")
+        if direct_loop and num_loops < 2:
+            raise ValueError("direct_loop stores loop 1 on its own: it needs num_loops >= 2")
         key_spec = CodecSpec("int4", "channel", min(64, page_size))
         loops = [LoopStorage(key_spec, INT4_VALUES)]
         if num_loops >= 2:
-            loops.append(LoopStorage(key_spec, INT4_VALUES))
+            loops.append(LoopStorage(key_spec, INT4_VALUES, direct=direct_loop))
         for loop_index in range(2, num_loops):
             fraction = sparse_fractions[min(loop_index - 2, len(sparse_fractions) - 1)]
             loops.append(sparse_loop(fraction, page_size))

@@ -98,7 +98,7 @@ def _reconstruct(cache: PagedKVCache, layer: int, loop: int, slot: jax.Array, in
     slot, visible, masks = _sequence_view(cache, slot, include_pending)
     pages = jnp.maximum(cache.block_tables[slot], 0)  # -1 (lost) entries are masked out below
     tiles = tuple(loop_tiles.take(pages) for loop_tiles in pool.loops)
-    page_keys, page_values = unpack_pages(tiles, loop)
+    page_keys, page_values = unpack_pages(tiles, loop, c.layer(layer))
     positions = c.max_tokens_per_sequence + int(include_pending)
     shape = (c.max_tokens_per_sequence, c.num_kv_heads, c.head_dim)
     page_keys, page_values = page_keys.reshape(shape), page_values.reshape(shape)

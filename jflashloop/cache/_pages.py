@@ -175,7 +175,7 @@ def pack_pages_with_saturations(
             row_positions = row_positions.transpose(1, 0, 2)  # [heads, pages, rows]
         saturated = (saturated + input_saturations(key_rows, storage.key_spec)
                      + input_saturations(value_rows, storage.value_spec))
-        if predecessor is None:  # the base: one kernel can read both streams in place and mask the sink rows
+        if predecessor is None:  # a chain's start: one kernel can read both streams in place and mask the sink rows
             key_tiles, value_tiles = encode_pages(*target, page_numbers, storage.key_spec, storage.value_spec,
                                                   config.sink_tokens, implementation)
         else:
@@ -184,7 +184,7 @@ def pack_pages_with_saturations(
         return LoopTiles(key_tiles, value_tiles, row_positions)
 
     targets = [(keys[loop], values[loop]) for loop in range(config.num_loops)]
-    tiles = _chains.encode_loops(targets, encode_step, apply_loop)
+    tiles = _chains.encode_loops(targets, encode_step, apply_loop, starts=config.chain_starts())
     return tuple(tiles), saturated
 
 
@@ -209,6 +209,8 @@ def apply_loop(
     )
 
 
-def unpack_pages(tiles: tuple[LoopTiles, ...], loop: int) -> tuple[jax.Array, jax.Array]:
-    """float32 K and V ``[pages, page_size, H, D]`` of loop ``loop`` (0-based)."""
-    return _chains.decode_loops(tiles, apply_loop, loop)
+def unpack_pages(tiles: tuple[LoopTiles, ...], loop: int, config: CacheConfig | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """float32 K and V ``[pages, page_size, H, D]`` of loop ``loop`` (0-based); ``config`` (the layer's)
+    says which loops start a chain (None: loop 0 only)."""
+    return _chains.decode_loops(tiles, apply_loop, loop, None if config is None else config.chain_starts())

@@ -161,11 +161,11 @@ def fork(
         return jnp.where(held[None, None, :, None], rows, jnp.zeros((), rows.dtype))
 
     new_layers = []
-    for layer in cache.layers:
+    for layer_index, layer in enumerate(cache.layers):
         tiles = tuple(loop_tiles.take(jnp.maximum(page_ids, 0)) for loop_tiles in layer.loops)
         decoded_k, decoded_v = [], []
         for loop in range(c.num_loops):
-            keys, values = unpack_pages(tiles, loop)  # [span, P, H, D]
+            keys, values = unpack_pages(tiles, loop, c.layer(layer_index))  # [span, P, H, D]
             for out, x in ((decoded_k, keys), (decoded_v, values)):
                 x = jnp.where(stored[:, None, None, None], x, 0.0).reshape(span * page_size, *x.shape[2:])
                 out.append(_stored_values(x[decoded_row], cache.window_dtype)[0].astype(cache.window_dtype))

@@ -134,14 +134,15 @@ def stream_format(spec: CodecSpec, rows: int) -> pallas_decode.StreamFormat:
 
 
 def loop_formats(config: CacheConfig, loop: int) -> tuple[pallas_decode.LoopFormat, ...]:
-    """The static stream formats of loops ``0..loop`` (the kernels' ``loops`` argument)."""
+    """The static stream formats of loops ``config.chain_start(loop)..loop`` (the kernels' ``loops``
+    argument: the streams loop ``loop`` reconstructs from)."""
     return tuple(
         pallas_decode.LoopFormat(
             stream_format(config.loops[i].key_spec, config.rows(i)),
             stream_format(config.loops[i].value_spec, config.rows(i)),
             config.loops[i].is_sparse,
         )
-        for i in range(loop + 1)
+        for i in range(config.chain_start(loop), loop + 1)
     )
 
 
@@ -172,7 +173,7 @@ def kernel_plan(config: CacheConfig, loop: int) -> KernelPlan:
     """
     seeds = []
     for role in ("key_spec", "value_spec"):
-        specs = [getattr(config.loops[i], role) for i in range(loop + 1)]
+        specs = [getattr(config.loops[i], role) for i in range(config.chain_start(loop), loop + 1)]
         unsupported = [s.format for s in specs if s.format not in FUSED_FORMATS]
         if unsupported:
             raise NotImplementedError(f"the fused kernel does not read {unsupported[0]!r} streams")
@@ -227,7 +228,7 @@ def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: b
     streams = tuple(
         {"keys": _stream_arrays(tiles.keys), "values": _stream_arrays(tiles.values),
          "row_positions": tiles.row_positions}
-        for tiles in pool.loops[: loop + 1]
+        for tiles in pool.loops[c.layer(layer).chain_start(loop): loop + 1]
     )
     # The windows go in whole ([loops, sequences, heads, tokens, D]); the
     # kernel reads entry ``window_loop``, so no slice is copied.

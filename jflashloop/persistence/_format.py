@@ -53,6 +53,7 @@ def config_from_json(data: Mapping) -> CacheConfig:
                     key_spec=CodecSpec(**loop["key_spec"]),
                     value_spec=CodecSpec(**loop["value_spec"]),
                     sparse_rows_per_page=loop["sparse_rows_per_page"],
+                    direct=loop.get("direct", False),  # files of earlier versions: every later loop a residual
                 )
                 for loop in entries
             )
