@@ -44,13 +44,15 @@ HEAD_DIM = 128
 SHAPES = list(arg_specs.DECODE_SHAPES)
 
 
-def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_dim=HEAD_DIM):
-    """``value_format``: "int4" (FlashLoop policy), "nvfp4" or "int4_rotated" (every stream)."""
+def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_dim=HEAD_DIM, direct_loop=False):
+    """``value_format``: "int4" (FlashLoop policy), "nvfp4" or "int4_rotated" (every stream);
+    ``direct_loop``: loop 2 stored on its own (``CacheConfig.flashloop(direct_loop=True)``, INT4 only)."""
     page_size = 64
     pages = tokens // page_size
     config = CacheConfig.flashloop(
         num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, num_pages=sequences * pages,
         max_sequences=sequences, max_pages_per_sequence=pages, num_loops=loops, page_size=page_size,
+        direct_loop=direct_loop,
     )
     if value_format == "nvfp4":
         nvfp4 = jflashloop.NVFP4
@@ -139,7 +141,7 @@ def kernel_bytes(config: CacheConfig, tokens: int, loop: int) -> int:
     packed_end = min(visible - config.recent_tokens, (tokens // config.page_size) * config.page_size)
     packed_pages = math.ceil(packed_end / config.page_size)
     per_page = storage.page_bytes(config)
-    pages = packed_pages * sum(per_page.loops[: loop + 1])
+    pages = packed_pages * sum(per_page.loops[config.chain_start(loop): loop + 1])
     windows = (config.sink_tokens + config.window_tokens) * config.num_kv_heads * config.head_dim * 2 * 2
     tables = packed_pages * 4
     return config.max_sequences * (pages + windows + tables)

@@ -118,6 +118,7 @@ class Model:
     looped: bool
     focus: tuple[int, int]  # (batch, context) of the target, the breakdown and the trace
     weight_dtype: Any = jnp.bfloat16  # the Llama model's weights (the looped model's are bfloat16)
+    direct_loop: bool = False  # the looped model's loop 2 stored on its own (CacheConfig.flashloop(direct_loop=True))
 
     @property
     def layers(self) -> int:
@@ -158,7 +159,7 @@ class Model:
         common = dict(num_layers=self.layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
                       num_pages=batch * pages, max_sequences=batch, max_pages_per_sequence=pages)
         if self.looped:
-            return CacheConfig.flashloop(num_loops=self.loops, **common)
+            return CacheConfig.flashloop(num_loops=self.loops, direct_loop=self.direct_loop, **common)
         return CacheConfig(**common)  # INT4: K per channel, V per token, groups of 64, 4 sink + 16 recent tokens
 
     def bf16_bytes_per_token(self) -> int:
@@ -704,6 +705,9 @@ def parse_args(argv=None):
                         help="seconds after which no new measurement starts (default 420; the run ends a "
                              "measurement or two later)")
     parser.add_argument("--trace-steps", type=int, default=None, help="decode steps in the traced call (1)")
+    parser.add_argument("--direct-loop", action="store_true",
+                        help="the looped model's loop 2 stored on its own, not as a residual against loop 1 (same "
+                             "bytes; loops 2-4 then read no loop-1 stream)")
     parser.add_argument("--float32-weights", action="store_true",
                         help="the Llama model's weights and products in float32 (default bfloat16)")
     parser.add_argument("--seed", type=int, default=0)
@@ -731,6 +735,8 @@ def main(argv=None) -> int:
     all_models = models(args.quick)
     if args.float32_weights:
         all_models = {name: dataclasses.replace(model, weight_dtype=jnp.float32) for name, model in all_models.items()}
+    if args.direct_loop:
+        all_models = {name: dataclasses.replace(model, direct_loop=model.looped) for name, model in all_models.items()}
     runner = Runner(args)
     work = plan(args, all_models)
     trace_directory = pathlib.Path(args.trace) if args.trace else None

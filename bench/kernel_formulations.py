@@ -290,6 +290,8 @@ def main() -> int:
     parser.add_argument("--shapes", default="0,1")
     parser.add_argument("--names", default="pallas,triton,gluon,gluon2-s2,gluon2-s2w")
     parser.add_argument("--value-format", default="int4", help="int4, nvfp4 or int4_rotated (every stream)")
+    parser.add_argument("--direct-loop", action="store_true",
+                        help="loop 2 stored on its own, not as a residual (CacheConfig.flashloop(direct_loop=True))")
     parser.add_argument("--loops", type=int, default=1, help="loop of the FlashLoop chain to read (1-4)")
     parser.add_argument("--shared", action="store_true",
                         help="every sequence reads the same pages (a forked prompt); bytes counted per sequence")
@@ -314,7 +316,8 @@ def main() -> int:
         return 2
     if args.profile:
         name, sequences, q_heads, kv_heads, tokens, head_dim = SHAPES[args.shape]
-        config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim)
+        config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
+                                   direct_loop=args.direct_loop)
         cache = bench.random_cache(config, tokens, 0)
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
         if args.whole:  # every kernel of one whole call each, between cudaProfilerStart/Stop
@@ -332,7 +335,7 @@ def main() -> int:
         return 0
     bandwidth = bench.copy_bandwidth()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; plain copy {bandwidth:.2f} TB/s; "
-          f"{args.value_format} loop {args.loops}{'; every sequence on the same pages' if args.shared else ''}"
+          f"{args.value_format} loop {args.loops}{', loop 2 direct' if args.direct_loop else ''}{'; every sequence on the same pages' if args.shared else ''}"
           f"{f'; {args.repeats} calls per jitted function' if args.device_time else ''}", flush=True)
     spans = args.device_time and args.timeline is not None
     queues = args.device_time
@@ -375,7 +378,8 @@ def main() -> int:
               f"{queued_columns(cudnn_queued, bf16_bytes, cudnn_queued)}{gpu_columns(cudnn_trace, bf16_bytes)}",
               flush=True)
         loop = args.loops - 1
-        config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim)
+        config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
+                                   direct_loop=args.direct_loop)
         bytes_read = bench.kernel_bytes(config, tokens, loop)
         caches = [bench.random_cache(config, tokens, i, shared=args.shared)
                   for i in range(bench.copies_for(bytes_read))]
