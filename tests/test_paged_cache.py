@@ -92,9 +92,14 @@ def test_pending_token_is_visible_before_commit(rng):
     assert_matches_oracle(committed, history.keys, history.values, layers=[1])
 
 
+# small_config(max_sequences=1)'s capacity (20 pages of 16): the one prompt shape of the one-sequence tests
+# below, so their prefill (and append) compile once for the module.
+ONE_SEQUENCE_TOKENS = 320
+
+
 def test_append_equals_prefill_of_the_same_history(rng):
     config = small_config(max_sequences=1)
-    keys, values = looped_tokens(rng, config, 150)
+    keys, values = looped_tokens(rng, config, ONE_SEQUENCE_TOKENS)  # 150 used: prefill reads the first length
     direct = _prefill(paged_cache.create(config), 0, keys, values, 150)
     incremental = _prefill(paged_cache.create(config), 0, keys, values, 37)  # the first 37 tokens (one shape)
     for t in range(37, 150):
@@ -109,8 +114,9 @@ def test_append_equals_prefill_of_the_same_history(rng):
 
 def test_sparse_rows_are_the_largest_residuals(rng):
     config = small_config(max_sequences=1, sink_tokens=4)
-    keys, values = looped_tokens(rng, config, 96)
+    keys, values = looped_tokens(rng, config, ONE_SEQUENCE_TOKENS)
     cache = _prefill(paged_cache.create(config), 0, keys, values, 96)
+    keys, values = keys[:, :, :96], values[:, :, :96]  # the prefilled tokens
     layer = 0
     pages = np.asarray(cache.block_tables[0])[:6]
     for loop in (2, 3):
@@ -140,8 +146,10 @@ def test_sparse_rows_are_the_largest_residuals(rng):
 
 
 def test_done_when_four_loops_two_layers_three_sequences_200_appends(rng):
-    config = small_config(num_pages=64, max_pages_per_sequence=18)
-    cache, history = build(rng, config, prompt_lengths=[5, 40, 77], steps=200)
+    config = small_config()  # 277 tokens take 18 of its 20 pages per sequence
+    # Prompts padded to test_prefill_matches_oracle's 80 tokens: its prefill, and the append of
+    # test_appends_across_pages_match_oracle (the same config), compile once for the module.
+    cache, history = build(rng, config, prompt_lengths=[5, 40, 77], steps=200, padded_tokens=80)
     np.testing.assert_array_equal(np.asarray(cache.lengths), [205, 240, 277])
     assert_matches_oracle(cache, history.keys, history.values, layers=[1], loops=[0, 1, 3])
     queries = jnp.asarray(rng.standard_normal((3, 8, HEAD_DIM)), jnp.float32)  # GQA 4 query heads per KV head
@@ -178,12 +186,13 @@ def test_running_out_of_pages_is_flagged(rng):
 
 
 def test_sequence_capacity_is_flagged(rng):
-    config = small_config(max_pages_per_sequence=2, max_sequences=1)
-    keys, values = looped_tokens(rng, config, 32)
-    cache = _prefill(paged_cache.create(config), 0, keys, values, 32)
+    config = small_config(max_sequences=1)  # test_append_equals_prefill_of_the_same_history's programs
+    assert config.max_tokens_per_sequence == ONE_SEQUENCE_TOKENS
+    keys, values = looped_tokens(rng, config, ONE_SEQUENCE_TOKENS)
+    cache = _prefill(paged_cache.create(config), 0, keys, values, ONE_SEQUENCE_TOKENS)
     step_k, step_v = looped_tokens(rng, config, 1, batch=1)
     cache = _append(cache, step_k[:, :, :, 0], step_v[:, :, :, 0])
-    assert int(cache.lengths[0]) == 32
+    assert int(cache.lengths[0]) == ONE_SEQUENCE_TOKENS
     with pytest.raises(RuntimeError, match="max_pages_per_sequence"):
         paged_cache.check(cache)
 
@@ -270,7 +279,8 @@ def test_prefill_rejects_wrong_shapes():
 
 def test_nonfinite_inputs_are_stored_as_zero_counted_and_flagged(rng):
     config = tiny_config()
-    keys, values = looped_tokens(rng, config, 40)
+    # Padded to the capacity (64 tokens): the prefill test_a_token_dropped_at_capacity_changes_nothing compiles.
+    keys, values = looped_tokens(rng, config, config.max_tokens_per_sequence)
     keys[0, 0, 20, 1, 3] = np.nan  # packed into page 1
     values[0, 1, 38, 0, 0] = np.inf  # in the ring
     keys[0, 1, 39, 0, 0] = -np.inf  # padding beyond length: not stored, not counted
@@ -449,7 +459,7 @@ def test_no_page_is_stored_after_a_lost_page(rng):
 
 def test_a_freed_slot_attends_to_nothing(rng):
     config = tiny_config()
-    cache, _ = build(rng, config, prompt_lengths=[20, 33], steps=0)
+    cache, _ = build(rng, config, prompt_lengths=[20, 33], steps=0, padded_tokens=config.max_tokens_per_sequence)
     freed = jax.jit(paged_cache.free)(cache, 0)
     queries = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
     step_k, step_v = looped_tokens(rng, config, 1, batch=config.max_sequences)
