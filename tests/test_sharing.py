@@ -16,7 +16,13 @@ from tests.builders import looped_tokens, small_config
 
 _prefill = jax.jit(paged_cache.prefill)
 _append = jax.jit(paged_cache.append)
-_fork = jax.jit(paged_cache.fork)
+_jitted_fork = jax.jit(paged_cache.fork)
+
+
+def _fork(cache, source, target, *tokens):
+    """The jitted fork, its slots (and tokens) passed as int32 arrays: Python ints and ``jnp.int32`` values
+    give one compiled program (a weakly typed argument would compile another)."""
+    return _jitted_fork(cache, jnp.int32(source), jnp.int32(target), *(jnp.int32(t) for t in tokens))
 _free = jax.jit(paged_cache.free)
 _reconstruct = jax.jit(paged_cache.reconstruct, static_argnums=(1, 2))
 
@@ -41,11 +47,15 @@ def _assert_same_sequence(cache, slot, expected, expected_slot, what):
 
 def test_a_prompt_forked_eight_ways_equals_eight_independent_prefills(rng):
     """One 4K-token prompt, 8 sequences, different continuations: the bits of 8 separate prefills."""
-    config = small_config(num_layers=1, num_kv_heads=1, page_size=64, max_pages_per_sequence=66, num_pages=140,
+    # The pool holds the eight independent histories too: the shared and the independent caches are one config
+    # (their prefill, reconstructions and attention compile once).
+    config = small_config(num_layers=1, num_kv_heads=1, page_size=64, max_pages_per_sequence=66, num_pages=8 * 66,
                           max_sequences=8, recent_tokens=64)
     prompt, steps = 4096, 70  # the continuations fill one more page each
     keys, values = looped_tokens(rng, config, prompt)
-    cache = _prefill(paged_cache.create(config), 0, keys, values, prompt)
+    # Padded to the independent histories' length (prefill reads the first `prompt` tokens): one prefill shape.
+    padding = [(0, 0), (0, 0), (0, steps), (0, 0), (0, 0)]
+    cache = _prefill(paged_cache.create(config), 0, np.pad(keys, padding), np.pad(values, padding), prompt)
     before = int(cache.page_free.sum())
     for target in range(1, 8):
         cache = _fork(cache, 0, target)
@@ -57,7 +67,7 @@ def test_a_prompt_forked_eight_ways_equals_eight_independent_prefills(rng):
     paged_cache.validate(cache)
     assert int(cache.page_free.sum()) == before - 8  # one own page each
 
-    independent = paged_cache.create(dataclasses.replace(config, num_pages=8 * 66))
+    independent = paged_cache.create(config)
     for slot in range(8):
         history_k = np.concatenate([keys, step_k[:, :, slot]], axis=2)
         history_v = np.concatenate([values, step_v[:, :, slot]], axis=2)
