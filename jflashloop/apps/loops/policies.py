@@ -12,7 +12,9 @@ per channel over the page, V per token), ``"int2"`` (dense INT2 Lloyd-Max K
 and V), ``"int4/int2"`` (K INT4, V INT2) and so on, or ``"<codec> <rows>"`` for
 a sparse residual of ``rows`` rows per 64-token page (codecs per token:
 ``int4``, ``int3``, ``nvfp4``, ``int2``; ``int3`` is INT3 G64, K per channel
-when dense). :func:`loop_storage` reads one entry. The
+when dense); ``"direct <codec>"`` is a dense loop stored on its own rather
+than as a residual against the loop before it (``LoopStorage.direct``).
+:func:`loop_storage` reads one entry. The
 tables count loops as the report does (loops run: loop 1 is the base).
 """
 
@@ -77,6 +79,12 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "int3 base": ("int3", "int4", "int4 16", "int4 7"),
     "int3 loops 1-2, int2 rows 24/10": ("int3", "int3", "int2 24", "int2 10"),
     "int3 loops 1-2, int2 rows 16/4": ("int3", "int3", "int2 16", "int2 4"),
+    "flashloop, direct loop 2": ("int4", "direct int4", "int4 16", "int4 7"),
+    "direct loop 2, int2 rows 24/10": ("int4", "direct int4", "int2 24", "int2 10"),
+    "direct loop 2, int2 rows 16/8": ("int4", "direct int4", "int2 16", "int2 8"),
+    "direct int3 loop 2": ("int4", "direct int3", "int4 16", "int4 7"),
+    "direct int3 loop 2, int2 rows 24/10": ("int4", "direct int3", "int2 24", "int2 10"),
+    "direct int3 loop 2, int2 rows 16/4": ("int4", "direct int3", "int2 16", "int2 4"),
 }
 
 
@@ -93,7 +101,14 @@ def _spec(codec: str, dense_key: bool, head_dim: int) -> CodecSpec:
 
 
 def loop_storage(entry: str, head_dim: int) -> LoopStorage:
-    """One loop's :class:`LoopStorage` from ``"codec"``, ``"kcodec/vcodec"`` (dense) or ``"codec rows"`` (sparse)."""
+    """One loop's :class:`LoopStorage` from ``"codec"``, ``"kcodec/vcodec"`` (dense), ``"codec rows"`` (sparse)
+    or ``"direct codec"`` (dense, stored on its own)."""
+    direct = entry.startswith("direct ")
+    if direct:
+        storage = loop_storage(entry.removeprefix("direct "), head_dim)
+        if storage.is_sparse:
+            raise ValueError(f"a direct loop is dense, got {entry!r}")
+        return dataclasses.replace(storage, direct=True)
     codecs, _, rows = entry.partition(" ")
     key_codec, _, value_codec = codecs.partition("/")
     value_codec = value_codec or key_codec
