@@ -47,6 +47,8 @@ def test_config_marks_the_chain_starts():
     assert [plain.chain_start(loop) for loop in range(4)] == [0, 0, 0, 0]
     # the storage is the same: a direct loop costs the bytes of the residual it replaces
     assert jflashloop.storage.pool_page_bytes(config) == jflashloop.storage.pool_page_bytes(plain)
+    table = jflashloop.storage.storage_table(jflashloop.storage.OURO_1_4B, direct_loop=True)
+    assert "loop 1: stored on its own (direct)" in table and "6.02x" in table
 
 
 def test_config_refuses_direct_loops_it_cannot_store():

@@ -259,7 +259,7 @@ def _describe(storage: LoopStorage, page_size: int) -> str:
     if storage.is_sparse:
         share = storage.sparse_rows_per_page / page_size
         return f"sparse residual {storage.sparse_rows_per_page}/{page_size} rows ({share:.1%}), {what}"
-    return what
+    return f"stored on its own (direct), {what}" if storage.direct else what
 
 
 def describe_windows(config: CacheConfig) -> str:
