@@ -60,7 +60,7 @@ def test_a_small_sweep():
     params = ouro.init_params(SMALL, jax.random.PRNGKey(0))
     held_out = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4000).astype(np.uint8)
     # 140 tokens for 2 sequences: the caches of tests/apps/test_loops.py's comparison (136 tokens + 4 generated),
-    # so the BF16 and flashloop decode steps are the programs that module compiles (the run's on-disk cache).
+    # so one of the sweep's decode steps is a program that module compiles (the run's on-disk cache).
     settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,),
                                       query_positions=4)
     chosen = {"flashloop": policies.FLASHLOOP, "int2 base": policies.POLICIES["int2 base"]}
