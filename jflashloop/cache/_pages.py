@@ -25,6 +25,8 @@ saturation rules (``jflashloop.codecs._statistics``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,10 +49,16 @@ from ._layout import LoopTiles, PagedStream, tile_packed
 
 def empty_stream(spec: CodecSpec, kv_heads: int, pages: int, rows: int, head_dim: int) -> PagedStream:
     """An all-zero pool of ``pages`` tiles (the shapes and dtypes of the codec's encode)."""
-    template = jax.eval_shape(
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _stream_template(spec, kv_heads, pages, rows, head_dim))
+
+
+@functools.lru_cache(maxsize=256)
+def _stream_template(spec: CodecSpec, kv_heads: int, pages: int, rows: int, head_dim: int) -> PagedStream:
+    """The shapes and dtypes of ``pages`` encoded tiles (traced once per layout: a cache's loops and layers
+    share it)."""
+    return jax.eval_shape(
         lambda: encode_tiles_with_codec(jnp.zeros((pages, rows, kv_heads, head_dim), jnp.float32), spec, "xla")
     )
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
 
 
 def decode_tiles(stream: PagedStream) -> jax.Array:
