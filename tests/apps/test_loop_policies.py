@@ -35,6 +35,22 @@ def test_loop_storage_reads_each_kind_of_entry():
     assert policies.loop_storage("int3 16", 64) == LoopStorage(int3_values, int3_values, 16)
     with pytest.raises(ValueError, match="unknown residual codec"):
         policies.loop_storage("int5", 64)
+    assert policies.loop_storage("direct int4", 64) == LoopStorage(INT4_KEYS, INT4_VALUES, direct=True)
+    with pytest.raises(ValueError, match="a direct loop is dense"):
+        policies.loop_storage("direct int4 16", 64)
+
+
+def test_direct_loops_in_some_layers():
+    """'direct int4 @1-2' stores loop 2 on its own in layers 1-2 and as a residual in the others."""
+    config = policies.policy_config(policies.POLICIES["flashloop, direct loop 2 in layers 1-2"], TINY, 2, 512)
+    assert [config.layer(layer).loops[1].direct for layer in range(TINY.layers)] == [True, True, False, False]
+    assert [config.layer(layer).chain_start(3) for layer in range(TINY.layers)] == [1, 1, 0, 0]
+    uniform = policies.policy_config(("int4", "direct int4 @1-4", "int4 16", "int4 7"), TINY, 2, 512)
+    assert uniform.layer_loops is None and uniform.loops[1].direct
+    assert policies.bytes_per_token(config) == policies.bytes_per_token(
+        policies.policy_config(policies.FLASHLOOP, TINY, 2, 512))
+    with pytest.raises(ValueError, match="a per-layer entry"):
+        policies.policy_config(("int4", "int4 @1-2"), TINY, 2, 512)
 
 
 def test_bytes_per_token_of_the_flashloop_policy():

@@ -13,7 +13,9 @@ and V), ``"int4/int2"`` (K INT4, V INT2) and so on, or ``"<codec> <rows>"`` for
 a sparse residual of ``rows`` rows per 64-token page (codecs per token:
 ``int4``, ``int3``, ``nvfp4``, ``int2``; ``int3`` is INT3 G64, K per channel
 when dense); ``"direct <codec>"`` is a dense loop stored on its own rather
-than as a residual against the loop before it (``LoopStorage.direct``).
+than as a residual against the loop before it (``LoopStorage.direct``), and
+``"direct <codec> @a-b"`` only in layers ``a..b`` (1-based; the other layers
+store that loop as a residual: per-layer policies, ``CacheConfig.layer_loops``).
 :func:`loop_storage` reads one entry. The
 tables count loops as the report does (loops run: loop 1 is the base).
 """
@@ -85,6 +87,7 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "direct int3 loop 2": ("int4", "direct int3", "int4 16", "int4 7"),
     "direct int3 loop 2, int2 rows 24/10": ("int4", "direct int3", "int2 24", "int2 10"),
     "direct int3 loop 2, int2 rows 16/4": ("int4", "direct int3", "int2 16", "int2 4"),
+    "flashloop, direct loop 2 in layers 1-2": ("int4", "direct int4 @1-2", "int4 16", "int4 7"),
 }
 
 
@@ -117,15 +120,31 @@ def loop_storage(entry: str, head_dim: int) -> LoopStorage:
                        int(rows) if sparse else None)
 
 
+def _entry_in_layer(entry: str, layer: int) -> str:
+    """``entry`` as layer ``layer`` (0-based) stores it: ``"direct <codec> @a-b"`` is ``"direct <codec>"`` in
+    layers ``a..b`` (1-based) and ``"<codec>"`` elsewhere."""
+    text, at, layers = entry.partition(" @")
+    if not at:
+        return entry
+    first, _, last = layers.partition("-")
+    if not text.startswith("direct ") or not first.isdigit() or not (last or first).isdigit():
+        raise ValueError(f"a per-layer entry is 'direct <codec> @a-b', got {entry!r}")
+    inside = int(first) <= layer + 1 <= int(last or first)
+    return text if inside else text.removeprefix("direct ")
+
+
 def policy_config(policy: tuple[str, ...], model: ouro.OuroConfig, sequences: int, max_tokens: int,
                   recent_tokens: int | None = RECENT_TOKENS) -> CacheConfig:
     """A cache for ``model`` storing its loops as ``policy`` (4 sink tokens, ``recent_tokens`` recent
-    ones, 64-token pages)."""
+    ones, 64-token pages; per-layer loops where an entry names layers)."""
     pages = math.ceil(max_tokens / PAGE_SIZE)
-    loops = tuple(loop_storage(entry, model.head_dim) for entry in policy)
+    per_layer = tuple(tuple(loop_storage(_entry_in_layer(entry, layer), model.head_dim) for entry in policy)
+                      for layer in range(model.layers))
+    uniform = all(loops == per_layer[0] for loops in per_layer)
     return CacheConfig(num_layers=model.layers, num_kv_heads=model.kv_heads, head_dim=model.head_dim,
                        num_pages=sequences * pages, max_sequences=sequences, max_pages_per_sequence=pages,
-                       loops=loops, page_size=PAGE_SIZE, recent_tokens=recent_tokens)
+                       loops=per_layer[0], page_size=PAGE_SIZE, recent_tokens=recent_tokens,
+                       layer_loops=None if uniform else per_layer)
 
 
 @dataclasses.dataclass(frozen=True)
