@@ -112,10 +112,16 @@ def cache_shardings(cache: PagedKVCache, mesh: Mesh, axes: MeshAxes = MeshAxes()
                         is_leaf=lambda x: isinstance(x, P))
 
 
+@functools.cache
+def _template(config: CacheConfig) -> PagedKVCache:
+    """The shapes and dtypes of an empty cache of ``config`` (traced once per config)."""
+    return jax.eval_shape(lambda: paged_cache.create(config))
+
+
 def create(config: CacheConfig, mesh: Mesh, axes: MeshAxes = MeshAxes()) -> PagedKVCache:
     """An empty sharded cache: the global arrays, each placed on its shards."""
     local_config(config, mesh, axes)  # validates divisibility
-    template = jax.eval_shape(lambda: paged_cache.create(config))
+    template = _template(config)
     shardings = cache_shardings(template, mesh, axes)
     return jax.jit(lambda: paged_cache.create(config), out_shardings=shardings)()
 
@@ -155,7 +161,7 @@ def _shard_mapped(function, mesh, in_specs, out_specs):
 
 @functools.cache
 def _prefill_function(mesh, local, global_config, axes, implementation):
-    template = jax.eval_shape(lambda: paged_cache.create(global_config))
+    template = _template(global_config)
     specs = cache_partition_specs(template, axes)
     kv_spec = P(None, None, None, axes.model, None)
 
@@ -194,7 +200,7 @@ def prefill(cache: PagedKVCache, mesh: Mesh, slot: int | jax.Array, keys, values
 
 @functools.cache
 def _fork_function(mesh, local, global_config, axes, whole):
-    template = jax.eval_shape(lambda: paged_cache.create(global_config))
+    template = _template(global_config)
     specs = cache_partition_specs(template, axes)
 
     def body(cache, source, target, tokens):
@@ -239,7 +245,7 @@ def fork(cache: PagedKVCache, mesh: Mesh, source_slot: int, target_slot: int, to
 
 @functools.cache
 def _append_function(mesh, local, global_config, axes, implementation):
-    template = jax.eval_shape(lambda: paged_cache.create(global_config))
+    template = _template(global_config)
     specs = cache_partition_specs(template, axes)
     step_spec = P(None, None, axes.data, axes.model, None)
 
@@ -266,7 +272,7 @@ def append(cache: PagedKVCache, mesh: Mesh, keys, values, *, axes: MeshAxes = Me
 @functools.cache
 def _attention_function(mesh, local, global_config, axes, layer, loop, include_pending, implementation,
                         kernel_config):
-    template = jax.eval_shape(lambda: paged_cache.create(global_config))
+    template = _template(global_config)
     specs = cache_partition_specs(template, axes)
     query_spec = P(axes.data, axes.model, None)
 
