@@ -234,7 +234,8 @@ class CacheConfig:
         """The loop whose stream starts loop ``loop``'s chain (0-based): the last loop ``<= loop`` that is
         loop 0 or ``direct``. Loop ``loop`` reconstructs from the streams of loops ``chain_start(loop)``
         to ``loop``."""
-        return max(i for i in range(loop + 1) if i == 0 or self.loops[i].direct)
+        starts = self.chain_starts()
+        return max(i for i in range(loop + 1) if starts[i])
 
     def chain_starts(self) -> tuple[bool, ...]:
         """Per loop, whether it starts a chain (loop 0 and the ``direct`` loops)."""
