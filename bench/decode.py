@@ -226,7 +226,7 @@ def dequantize_then_attend(loop):
         layer = cache.layers[0]
         pages = cache.block_tables.reshape(-1)
         tiles = tuple(t.take(pages) for t in layer.loops)
-        keys, values = unpack_pages(tiles, loop)
+        keys, values = unpack_pages(tiles, loop, c.layer(0))
         shape = (c.max_sequences, c.max_pages_per_sequence * c.page_size, c.num_kv_heads, c.head_dim)
         keys = keys.astype(jnp.bfloat16).reshape(shape)
         values = values.astype(jnp.bfloat16).reshape(shape)

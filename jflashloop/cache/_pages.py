@@ -217,8 +217,7 @@ def apply_loop(
     )
 
 
-def unpack_pages(tiles: tuple[LoopTiles, ...], loop: int, config: CacheConfig | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+def unpack_pages(tiles: tuple[LoopTiles, ...], loop: int, config: CacheConfig) -> tuple[jax.Array, jax.Array]:
     """float32 K and V ``[pages, page_size, H, D]`` of loop ``loop`` (0-based); ``config`` (the layer's)
-    says which loops start a chain (None: loop 0 only)."""
-    return _chains.decode_loops(tiles, apply_loop, loop, None if config is None else config.chain_starts())
+    says which loops start a chain."""
+    return _chains.decode_loops(tiles, apply_loop, loop, config.chain_starts())
