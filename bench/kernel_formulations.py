@@ -41,10 +41,12 @@ from jflashloop_triton_kernels import launch as gluon_launch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import decode as bench
 
-# Indices 0-7: T32K, B1 T64K, T128K, T4K, head_dim 64, head_dim 256, B16 Hq16 Hkv16 T8K, and one layer of the
-# Ouro-1.4B-shaped looped model's end-to-end step at batch 8 and 16K tokens (bench/end_to_end.py).
+# Indices 0-8: T32K, B1 T64K, T128K, T4K, head_dim 64, head_dim 256, B16 Hq16 Hkv16 T8K, one layer of the
+# Ouro-1.4B-shaped looped model's end-to-end step at batch 8 and 16K tokens (bench/end_to_end.py), and the same
+# layer at the capacity view's batch (19 sequences of 32K tokens in 80 GiB).
 SHAPES = [bench.SHAPES[1], bench.SHAPES[4], bench.SHAPES[2], bench.SHAPES[0], bench.SHAPES[6], bench.SHAPES[7],
-          bench.SHAPES[5], bench.SHAPES[5]._replace(name="B8 Hq16 Hkv16 T16K", sequences=8, tokens=16384)]
+          bench.SHAPES[5], bench.SHAPES[5]._replace(name="B8 Hq16 Hkv16 T16K", sequences=8, tokens=16384),
+          bench.SHAPES[5]._replace(name="B19 Hq16 Hkv16 T32K", sequences=19, tokens=32768)]
 
 
 def formulation(name, loop=0, pages_only=False):
@@ -291,7 +293,8 @@ def main() -> int:
     parser.add_argument("--names", default="pallas,triton,gluon,gluon2-s2,gluon2-s2w")
     parser.add_argument("--value-format", default="int4", help="int4, nvfp4 or int4_rotated (every stream)")
     parser.add_argument("--direct-loop", action="store_true",
-                        help="loop 2 stored on its own, not as a residual (CacheConfig.flashloop(direct_loop=True))")
+                        help="loop 2 stored on its own, not as a residual (CacheConfig.flashloop(direct_loop=True)); "
+                             "loop 1 reads the base stream either way")
     parser.add_argument("--loops", type=int, default=1, help="loop of the FlashLoop chain to read (1-4)")
     parser.add_argument("--shared", action="store_true",
                         help="every sequence reads the same pages (a forked prompt); bytes counted per sequence")
@@ -317,7 +320,7 @@ def main() -> int:
     if args.profile:
         name, sequences, q_heads, kv_heads, tokens, head_dim = SHAPES[args.shape]
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
-                                   direct_loop=args.direct_loop)
+                                   direct_loop=args.direct_loop and args.loops > 1)
         cache = bench.random_cache(config, tokens, 0)
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
         if args.whole:  # every kernel of one whole call each, between cudaProfilerStart/Stop
@@ -379,7 +382,7 @@ def main() -> int:
               flush=True)
         loop = args.loops - 1
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
-                                   direct_loop=args.direct_loop)
+                                   direct_loop=args.direct_loop and args.loops > 1)
         bytes_read = bench.kernel_bytes(config, tokens, loop)
         caches = [bench.random_cache(config, tokens, i, shared=args.shared)
                   for i in range(bench.copies_for(bytes_read))]

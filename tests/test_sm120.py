@@ -166,6 +166,33 @@ def test_split_count(pairs, max_pages, expected):
     assert gluon_launch.split_count(pairs, max_pages) == expected
 
 
+@pytest.mark.parametrize("pairs, max_pages, splits, expected", [
+    (304, 520, 7, 6),  # B19 Hkv16 T32K: 2128 programs (two waves of 1056 and 16) -> 1824
+    (152, 520, 14, 13),  # 2128 -> 1976
+    (64, 512, 32, 32),  # B8 Hkv8 T32K: 2048, a second wave 94% full
+    (16, 1024, 64, 64),  # B1 Hkv16 T64K: 1024, under one wave
+    (96, 256, 16, 16),  # B32 Hkv3 T16K: 1536, a second wave 45% full
+    (96, 520, 22, 22),  # 2112: exactly two waves
+    (1203, 513, 2, 2),  # 2406: a third wave 28% full
+    (1, 3, 1, 1),
+])
+def test_wave_fitted_splits_moves_off_a_thin_last_wave(pairs, max_pages, splits, expected):
+    assert gluon_launch.split_count(pairs, max_pages) == splits
+    fitted = gluon_launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=132)
+    assert fitted == expected
+    wave = 132 * gluon_launch.PERSISTENT_BLOCKS_PER_SM
+    programs = pairs * fitted
+    assert programs <= wave or programs % wave == 0 or programs % wave >= gluon_launch.TAIL_MIN_FILL * wave
+    assert gluon_launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=None) == splits  # no GPU: unchanged
+
+
+def test_wave_fitted_splits_keeps_whole_pages_per_split():
+    # 2 pages a sequence, at least 8 pages a split: one split whatever the waves say
+    assert gluon_launch.wave_fitted_splits(1060, 2, 1, sm_count=132) == 1
+    # fewer pages per split than min_pages_per_split are never chosen
+    assert gluon_launch.wave_fitted_splits(304, 56, 7, sm_count=132, min_pages_per_split=8) <= 7
+
+
 def test_split_count_rejects_empty_sizes():
     with pytest.raises(ValueError, match="positive sizes"):
         gluon_launch.split_count(0, 10)

@@ -80,8 +80,11 @@ for stage in "$@"; do
     e2e) run_stage e2e "${E2E_LIMIT:-540}" env XLA_PYTHON_CLIENT_MEM_FRACTION="${E2E_MEM_FRACTION:-0.94}" \
              python3 bench/end_to_end.py --out "$OUT/E2E.md" --plot "$OUT/e2e.png" --trace /tmp/e2e-trace \
              --time-budget "${E2E_BUDGET:-360}" ${E2E_ARGS:-}
-         # the trace as one file: its many files would crowd the logs out of what a call returns
-         [ -d /tmp/e2e-trace ] && tar czf "$OUT/e2e-trace.tgz" -C /tmp e2e-trace && rm -rf /tmp/e2e-trace ;;
+         # the trace as one file (the benchmark packs it as /tmp/e2e-trace.tar.gz): its many files would crowd
+         # the logs out of what a call returns
+         if [ -f /tmp/e2e-trace.tar.gz ]; then mv /tmp/e2e-trace.tar.gz "$OUT/"
+         elif [ -d /tmp/e2e-trace ]; then tar czf "$OUT/e2e-trace.tar.gz" -C /tmp e2e-trace; fi
+         rm -rf /tmp/e2e-trace ;;
     *) summary+=("unknown stage $stage") ;;
   esac
 done

@@ -321,7 +321,9 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       ``target_programs`` programs in all (None: the measured best,
       :func:`jflashloop_triton_kernels.launch.preferred_target_programs`), but no fewer than
       ``min_pages_per_split`` pages per program (twice that where a wave
-      stays full: :func:`jflashloop_triton_kernels.launch.split_count`).
+      stays full: :func:`jflashloop_triton_kernels.launch.split_count`); with
+      ``target_programs`` None too, moved off a thin last wave of programs
+      (:func:`jflashloop_triton_kernels.launch.wave_fitted_splits`).
     * ``chunk``: tokens per step inside a page (default: the page);
       ``maxnreg``: a register cap per thread (ptxas; None: the pipelined
       kernel's :func:`jflashloop_triton_kernels.launch.preferred_maxnreg`).
@@ -388,10 +390,16 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     dense = sum(not loop.sparse for loop in loops)  # the chain's dense streams, then its sparse ones
     sparse_rows = tuple(loops[i].keys.rows for i in range(dense, len(loops)))
     if splits is None:
+        fitted = target_programs is None  # the library's own plan: no thin last wave (launch.wave_fitted_splits)
         if target_programs is None:
             target_programs = launch.preferred_target_programs(format=loops[0].keys.format, streams=len(loops))
-        splits = launch.split_count(sequences * kv_heads * row_blocks, max_pages, target_programs=target_programs,
+        pairs = sequences * kv_heads * row_blocks
+        splits = launch.split_count(pairs, max_pages, target_programs=target_programs,
                                     min_pages_per_split=min_pages_per_split)
+        if fitted:
+            splits = launch.wave_fitted_splits(pairs, max_pages, splits,
+                                               sm_count=None if emulate else pallas_launch.local_sm_count(),
+                                               min_pages_per_split=min_pages_per_split)
     query = None
     if not pipelined or not (fused_windows and not pages_only):  # the simple kernels and the window partials
         query = queries.astype(jnp.float32) * (scale * LOG2_E)

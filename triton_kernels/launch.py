@@ -37,6 +37,7 @@ STAGGER = True  # one stage (chains): keys and values as two copy groups (gluon_
 PERSISTENT_BLOCKS_PER_SM = 8  # INT4, one stream, head_dim 128: 204-226 registers, 8 one-warp programs an SM
 PERSISTENT_MIN_WAVES = 2  # persistent programs by default where the items fill at least this many waves
 PERSISTENT_MIN_FILL = 0.95  # ... and share out evenly over programs that fill this much of a wave
+TAIL_MIN_FILL = 0.25  # a last wave of split programs at least this full (wave_fitted_splits)
 
 
 SCALED_ROTATED = False  # int4_rotated values on the probabilities by default (gluon_decode; no faster on the H200)
@@ -120,6 +121,43 @@ def split_count(pairs: int, max_pages: int, *, target_programs: int = TARGET_PRO
     if longer < splits and pairs * longer >= WAVE_PROGRAMS:
         splits = longer
     return splits
+
+
+def wave_fitted_splits(pairs: int, max_pages: int, splits: int, *, sm_count: int | None,
+                       min_pages_per_split: int = MIN_PAGES_PER_SPLIT) -> int:
+    """``splits`` (from :func:`split_count`), or the nearest split count whose programs leave no thin
+    last wave: where ``pairs * splits`` programs pass a whole number of waves (``sm_count *``
+    :data:`PERSISTENT_BLOCKS_PER_SM`) by less than :data:`TAIL_MIN_FILL` of a wave, the few programs
+    of that last wave run alone at the end of the call, each as long as any other. Among the split
+    counts from ``ceil(splits / 2)`` to ``2 * splits`` (at least ``min_pages_per_split`` pages each)
+    this takes the one of least cost, ``pages per split x max(0, TAIL_MIN_FILL - fill of the last
+    wave)``, the nearest to ``splits`` among equals. Unknown ``sm_count`` (no GPU, emulation):
+    ``splits``.
+
+    Args:
+      pairs: (sequence, KV head, block of query rows) triples the grid covers.
+      max_pages: pages a sequence can hold (the block table's width).
+      splits: the split count to start from.
+      sm_count: the GPU's streaming multiprocessors, or None.
+
+    Returns:
+      int >= 1. Examples on an H200 (132 SMs, waves of 1056): 304 pairs (19 sequences x 16 KV heads) at
+      520 pages, 7 splits (2128 programs: two waves and 16 programs) -> 6 (1824); 64 pairs at 512 pages,
+      32 splits (2048) stay.
+    """
+    if sm_count is None or sm_count < 1:
+        return splits
+    wave = sm_count * PERSISTENT_BLOCKS_PER_SM
+    most = max(1, -(-max_pages // min_pages_per_split))
+
+    def cost(count):
+        programs = pairs * count
+        fill = (programs % wave) / wave
+        tail = 0.0 if programs <= wave or fill == 0 else max(0.0, TAIL_MIN_FILL - fill)
+        return -(-max_pages // count) * tail
+
+    candidates = range(max(1, -(-splits // 2)), min(2 * splits, most) + 1)
+    return min(candidates, key=lambda count: (cost(count), abs(count - splits), count), default=splits)
 
 
 def preferred_target_programs(*, format: str, streams: int = 1) -> int:
