@@ -553,6 +553,8 @@ def test_gluon_kernel_reads_only_what_it_supports():
     (3, "xla", 3, None),
     (1, "kernel", 20, None), (2, "kernel", 20, None),  # 21 partials: more than one round trip of the merge
     (4, "kernel", 20, 128),  # 8 slots per round trip instead of 4
+    (2, "gluon", 20, None),  # the merge kernel: 21 slots in one block
+    (8, "gluon", 39, None),  # 40 slots in two blocks of 32: the second block rescales the first's sums
 ])
 def test_gluon_kernel_merges_the_splits(rng, group, merge, splits, registers):
     config = one_loop_config(128, 64, num_kv_heads=2, max_pages_per_sequence=40, num_pages=128)

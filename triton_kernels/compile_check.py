@@ -113,7 +113,7 @@ def compile_merge_kernel(*, head_dim: int = 128, group: int = 8, slots: int = 33
 
     from . import decode_attention, gluon_decode
 
-    launch = decode_attention.merge_launch(head_dim, slots)
+    launch = decode_attention.merge_launch(head_dim, slots, group)
     constants = dict(D=head_dim, GROUP=group, SLOTS=slots, SB=launch["SB"], DB=launch["DB"], WARPS=launch["WARPS"])
     types = ["*fp32"] * 4 + ["constexpr"] * len(constants)
     fn = gluon_decode.merge_kernel

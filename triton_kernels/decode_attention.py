@@ -78,9 +78,20 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel:
     return None
 
 
-def merge_launch(head_dim: int, slots: int) -> dict[str, int]:
-    """The merge kernel's blocks: ``SB`` slots per load, ``DB`` channels per program, ``WARPS``."""
-    return dict(SB=min(32, 1 << max(slots - 1, 1).bit_length()), DB=min(32, head_dim), WARPS=4)
+MERGE_VALUES_PER_THREAD = 64  # partials a thread of the merge kernel holds per block of slots
+
+
+def merge_launch(head_dim: int, slots: int, group: int = ROWS) -> dict[str, int]:
+    """The merge kernel's blocks: ``SB`` slots per load, ``DB`` channels per program, ``WARPS``.
+
+    ``SB`` covers every slot in one block where a thread then holds at most
+    :data:`MERGE_VALUES_PER_THREAD` partials (``SB x rows x DB / threads``, the rows the group padded to a
+    power of two), so the kernel's loads all leave in one round trip to memory."""
+    channels, warps = min(32, head_dim), 4
+    rows = 1 << (group - 1).bit_length()
+    most = max(1, MERGE_VALUES_PER_THREAD * 32 * warps // (rows * channels))
+    return dict(SB=min(1 << (most.bit_length() - 1), 1 << max(slots - 1, 1).bit_length()), DB=channels,
+                WARPS=warps)
 
 
 def merge_partials(output, total, running_max, group: int, *, emulate: bool = False):
@@ -93,7 +104,7 @@ def merge_partials(output, total, running_max, group: int, *, emulate: bool = Fa
     from . import call, gluon_decode
 
     sequences, kv_heads, slots, _, head_dim = output.shape
-    launch = merge_launch(head_dim, slots)
+    launch = merge_launch(head_dim, slots, group)
     out_shape = [jax.ShapeDtypeStruct((sequences, kv_heads * group, head_dim), jnp.float32)]
     grid = (sequences * kv_heads, head_dim // launch["DB"], 1)
     constants = dict(D=head_dim, GROUP=group, SLOTS=slots, **launch)

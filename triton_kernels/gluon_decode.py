@@ -1562,6 +1562,16 @@ def merge_layout(slot_block: int, channels: int, warps: int):
     return gl.BlockedLayout([1, 1, 4], [1, 32 // lanes_c, lanes_c], [warps, 1, 1], [2, 1, 0])
 
 
+@gluon.constexpr_function
+def merge_rows_layout(slot_block: int, rows: int, channels: int, warps: int):
+    """``[slot_block, rows, channels]`` partials of the merge kernel: channels on lanes in 16-byte pieces,
+    the rows (the GQA group padded to a power of two) on lanes next, the lanes left over and the warps on
+    slots."""
+    lanes_c = min(channels // 4, 32)
+    lanes_r = min(rows, 32 // lanes_c)
+    return gl.BlockedLayout([1, 1, 4], [32 // (lanes_c * lanes_r), lanes_r, lanes_c], [warps, 1, 1], [2, 1, 0])
+
+
 @gluon.jit
 def merge_kernel(out_ptr, sum_ptr, max_ptr, final_ptr, D: gl.constexpr, GROUP: gl.constexpr,
                  SLOTS: gl.constexpr, SB: gl.constexpr, DB: gl.constexpr, WARPS: gl.constexpr):
@@ -1570,32 +1580,39 @@ def merge_kernel(out_ptr, sum_ptr, max_ptr, final_ptr, D: gl.constexpr, GROUP: g
     Grid ``(S * H, D / DB)``. ``out`` float32 ``[S, H, SLOTS, 8, D]``, ``sum``
     and ``max`` ``[S, H, SLOTS, 8]`` (rows below ``GROUP`` are read) ->
     ``final`` float32 ``[S, H * GROUP, D]`` (zeros where nothing was visible).
-    Two passes over the slots in blocks of ``SB``: the rows' maximum, then the
-    weighted sums; every block's loads are independent (unrolled).
+    One pass over the slots in blocks of ``SB``: each block's maxima, sums and
+    partials are loaded together (every block's loads are independent:
+    unrolled, one round trip to memory), and the running sums are rescaled
+    when a block raises a row's maximum (online softmax). Only the group's
+    rows, padded to a power of two, are held.
     """
-    L3: gl.constexpr = merge_layout(SB, DB, WARPS)
-    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [SB, 8]
+    RG: gl.constexpr = _merge_rows(GROUP)
+    L3: gl.constexpr = merge_rows_layout(SB, RG, DB, WARPS)
+    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [SB, RG]
     program = gl.program_id(0).to(gl.int64)
     block = gl.program_id(1)
     b_slots = gl.arange(0, SB, layout=gl.SliceLayout(1, LS))
-    rows = gl.arange(0, 8, layout=gl.SliceLayout(0, LS))
+    rows = gl.arange(0, RG, layout=gl.SliceLayout(0, LS))
     row_ok = gl.expand_dims(rows < GROUP, 0)
-    best = gl.full([8], MASK_VALUE, gl.float32, layout=gl.SliceLayout(0, LS))
+    cols = block * DB + gl.arange(0, DB, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    best = gl.full([RG], MASK_VALUE, gl.float32, layout=gl.SliceLayout(0, LS))
+    total = gl.zeros([1, RG, 1], gl.float32, layout=L3)
+    combined = gl.zeros([1, RG, DB], gl.float32, layout=L3)
     BLOCKS: gl.constexpr = (SLOTS + SB - 1) // SB
     for b in gl.static_range(BLOCKS):
         slot = b * SB + b_slots
         meta = (program * SLOTS + gl.expand_dims(slot, 1)) * 8 + gl.expand_dims(rows, 0)
         keep = gl.expand_dims(slot < SLOTS, 1) & row_ok
-        best = gl.maximum(best, gl.max(gl.load(max_ptr + meta, mask=keep, other=MASK_VALUE), axis=0))
-    L_C: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L3))
-    cols = block * DB + gl.arange(0, DB, layout=L_C)
-    total = gl.zeros([1, 8, 1], gl.float32, layout=L3)
-    combined = gl.zeros([1, 8, DB], gl.float32, layout=L3)
-    for b in gl.static_range(BLOCKS):
-        sums, parts = _weighted_partials(out_ptr, sum_ptr, max_ptr, program * SLOTS, b * SB, SLOTS, best,
-                                         b_slots, rows, row_ok, cols, D)
-        total += sums
-        combined += parts
+        maxima = gl.load(max_ptr + meta, mask=keep, other=MASK_VALUE)
+        sums = gl.load(sum_ptr + meta, mask=keep, other=0.0)
+        offsets = gl.expand_dims(meta, 2) * D + gl.expand_dims(gl.expand_dims(cols, 0), 1)
+        parts = gl.load(out_ptr + offsets, mask=gl.expand_dims(keep, 2), other=0.0)
+        raised = gl.maximum(best, gl.max(maxima, axis=0))
+        rescale = gl.expand_dims(gl.expand_dims(gl.exp2(best - raised), 0), 2)  # [1, RG, 1]
+        weight = gl.where(keep, gl.exp2(maxima - gl.expand_dims(raised, 0)), 0.0)
+        total = total * rescale + gl.expand_dims(gl.sum(gl.expand_dims(sums * weight, 2), axis=0), 0)
+        combined = combined * rescale + gl.expand_dims(gl.sum(parts * gl.expand_dims(weight, 2), axis=0), 0)
+        best = raised
     _store_merged(final_ptr, program, total, combined, rows, cols, D, GROUP)
 
 
