@@ -32,6 +32,7 @@ from jflashloop import (
 )
 from jflashloop_pallas_kernels import decode_attention as pallas_decode
 from jflashloop_pallas_kernels import nvfp4_pages
+from jflashloop_triton_kernels import launch as gluon_launch
 
 CONFIG = CacheConfig(
     num_layers=1, num_kv_heads=1, head_dim=16, num_pages=6, max_sequences=2, max_pages_per_sequence=3,
@@ -262,6 +263,8 @@ BAD_INPUTS = [
      lambda: nvfp4_pages.from_page_order(np.zeros(4, np.int32)), TypeError, "must be uint32, got int32"),
     ("decode_attention: KernelConfig(target_programs=0)", lambda: pallas_decode.KernelConfig(target_programs=0),
      ValueError, "KernelConfig.target_programs must be >= 1, got 0"),
+    ("launch.wave_fitted_splits: no splits", lambda: gluon_launch.wave_fitted_splits(304, 520, 0, sm_count=132),
+     ValueError, "wave_fitted_splits needs positive sizes, got pairs=304, max_pages=520, splits=0"),
     ("free: slot out of range", lambda: paged_cache.free(one_active_cache(), 2), IndexError, "slot must be in"),
     ("validate: a page held twice, counted once",
      lambda: paged_cache.validate(_corrupt(

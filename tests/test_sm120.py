@@ -193,6 +193,11 @@ def test_wave_fitted_splits_keeps_whole_pages_per_split():
     assert gluon_launch.wave_fitted_splits(304, 56, 7, sm_count=132, min_pages_per_split=8) <= 7
 
 
+def test_wave_fitted_splits_rejects_empty_sizes():
+    with pytest.raises(ValueError, match="positive sizes"):
+        gluon_launch.wave_fitted_splits(304, 520, 0, sm_count=132)
+
+
 def test_split_count_rejects_empty_sizes():
     with pytest.raises(ValueError, match="positive sizes"):
         gluon_launch.split_count(0, 10)

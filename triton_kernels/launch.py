@@ -144,7 +144,13 @@ def wave_fitted_splits(pairs: int, max_pages: int, splits: int, *, sm_count: int
       int >= 1. Examples on an H200 (132 SMs, waves of 1056): 304 pairs (19 sequences x 16 KV heads) at
       520 pages, 7 splits (2128 programs: two waves and 16 programs) -> 6 (1824); 64 pairs at 512 pages,
       32 splits (2048) stay.
+
+    Raises:
+      ValueError: ``pairs``, ``max_pages``, ``splits`` or ``min_pages_per_split`` below 1.
     """
+    if pairs < 1 or max_pages < 1 or splits < 1 or min_pages_per_split < 1:
+        raise ValueError(f"wave_fitted_splits needs positive sizes, got pairs={pairs}, max_pages={max_pages}, "
+                         f"splits={splits}, min_pages_per_split={min_pages_per_split}")
     if sm_count is None or sm_count < 1:
         return splits
     wave = sm_count * PERSISTENT_BLOCKS_PER_SM
