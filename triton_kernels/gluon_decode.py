@@ -1470,20 +1470,37 @@ def _window_columns(ring: int, page: int) -> int:
 
 
 @gluon.jit
+def _partials_block(out_ptr, sum_ptr, max_ptr, base, first, slots, b_slots, rows, row_ok, cols, D: gl.constexpr):
+    """Slots ``first + b_slots`` of the partials at ``base`` (rows ``rows``, channels ``cols``): ``(keep``
+    ``[SB, rows]``, their maxima (``MASK_VALUE`` where not kept), sums ``[SB, rows]`` and outputs ``[SB,
+    rows, len(cols)])``."""
+    slot = first + b_slots
+    meta = (base + gl.expand_dims(slot, 1)) * 8 + gl.expand_dims(rows, 0)
+    keep = gl.expand_dims(slot < slots, 1) & row_ok
+    maxima = gl.load(max_ptr + meta, mask=keep, other=MASK_VALUE)
+    sums = gl.load(sum_ptr + meta, mask=keep, other=0.0)
+    offsets = gl.expand_dims(meta, 2) * D + gl.expand_dims(gl.expand_dims(cols, 0), 1)
+    parts = gl.load(out_ptr + offsets, mask=gl.expand_dims(keep, 2), other=0.0)
+    return keep, maxima, sums, parts
+
+
+@gluon.jit
+def _weighted_sums(keep, maxima, sums, parts, best):
+    """A block of partials (:func:`_partials_block`) weighted by ``2 ** (max - best)`` (``best`` per row):
+    their sums ``[1, rows, 1]`` and outputs ``[1, rows, channels]``."""
+    weight = gl.where(keep, gl.exp2(maxima - gl.expand_dims(best, 0)), 0.0)
+    return (gl.expand_dims(gl.sum(gl.expand_dims(sums * weight, 2), axis=0), 0),
+            gl.expand_dims(gl.sum(parts * gl.expand_dims(weight, 2), axis=0), 0))
+
+
+@gluon.jit
 def _weighted_partials(out_ptr, sum_ptr, max_ptr, base, first, slots, best, b_slots, rows, row_ok, cols,
                        D: gl.constexpr):
     """Slots ``first + b_slots`` of the partials at ``base`` (their ``[SB, 8]`` rows, channels ``cols``)
     weighted by ``2 ** (max - best)``: their sums ``[1, 8, 1]`` and outputs ``[1, 8, len(cols)]``."""
-    slot = first + b_slots
-    meta = (base + gl.expand_dims(slot, 1)) * 8 + gl.expand_dims(rows, 0)
-    keep = gl.expand_dims(slot < slots, 1) & row_ok
-    weight = gl.exp2(gl.load(max_ptr + meta, mask=keep, other=MASK_VALUE) - gl.expand_dims(best, 0))
-    weight = gl.where(keep, weight, 0.0)
-    part_sum = gl.load(sum_ptr + meta, mask=keep, other=0.0)
-    offsets = gl.expand_dims(meta, 2) * D + gl.expand_dims(gl.expand_dims(cols, 0), 1)
-    part = gl.load(out_ptr + offsets, mask=gl.expand_dims(keep, 2), other=0.0)
-    return (gl.expand_dims(gl.sum(gl.expand_dims(part_sum * weight, 2), axis=0), 0),
-            gl.expand_dims(gl.sum(part * gl.expand_dims(weight, 2), axis=0), 0))
+    keep, maxima, sums, parts = _partials_block(out_ptr, sum_ptr, max_ptr, base, first, slots, b_slots, rows,
+                                                row_ok, cols, D)
+    return _weighted_sums(keep, maxima, sums, parts, best)
 
 
 @gluon.jit
@@ -1600,18 +1617,13 @@ def merge_kernel(out_ptr, sum_ptr, max_ptr, final_ptr, D: gl.constexpr, GROUP: g
     combined = gl.zeros([1, RG, DB], gl.float32, layout=L3)
     BLOCKS: gl.constexpr = (SLOTS + SB - 1) // SB
     for b in gl.static_range(BLOCKS):
-        slot = b * SB + b_slots
-        meta = (program * SLOTS + gl.expand_dims(slot, 1)) * 8 + gl.expand_dims(rows, 0)
-        keep = gl.expand_dims(slot < SLOTS, 1) & row_ok
-        maxima = gl.load(max_ptr + meta, mask=keep, other=MASK_VALUE)
-        sums = gl.load(sum_ptr + meta, mask=keep, other=0.0)
-        offsets = gl.expand_dims(meta, 2) * D + gl.expand_dims(gl.expand_dims(cols, 0), 1)
-        parts = gl.load(out_ptr + offsets, mask=gl.expand_dims(keep, 2), other=0.0)
+        keep, maxima, sums, parts = _partials_block(out_ptr, sum_ptr, max_ptr, program * SLOTS, b * SB, SLOTS,
+                                                    b_slots, rows, row_ok, cols, D)
         raised = gl.maximum(best, gl.max(maxima, axis=0))
         rescale = gl.expand_dims(gl.expand_dims(gl.exp2(best - raised), 0), 2)  # [1, RG, 1]
-        weight = gl.where(keep, gl.exp2(maxima - gl.expand_dims(raised, 0)), 0.0)
-        total = total * rescale + gl.expand_dims(gl.sum(gl.expand_dims(sums * weight, 2), axis=0), 0)
-        combined = combined * rescale + gl.expand_dims(gl.sum(parts * gl.expand_dims(weight, 2), axis=0), 0)
+        block_total, block_combined = _weighted_sums(keep, maxima, sums, parts, raised)
+        total = total * rescale + block_total
+        combined = combined * rescale + block_combined
         best = raised
     _store_merged(final_ptr, program, total, combined, rows, cols, D, GROUP)
 
