@@ -313,6 +313,7 @@ def main() -> int:
                         help="how int4_rotated's query, windows and output are rotated around the kernel "
                              "(use_rotation)")
     args = parser.parse_args()
+    args.direct_loop = args.direct_loop and args.loops > 1  # loop 1 reads the base stream either way
     use_rotation(args.rotation)
     if jax.default_backend() != "gpu":
         print("needs a CUDA GPU", file=sys.stderr)
@@ -320,7 +321,7 @@ def main() -> int:
     if args.profile:
         name, sequences, q_heads, kv_heads, tokens, head_dim = SHAPES[args.shape]
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
-                                   direct_loop=args.direct_loop and args.loops > 1)
+                                   direct_loop=args.direct_loop)
         cache = bench.random_cache(config, tokens, 0)
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
         if args.whole:  # every kernel of one whole call each, between cudaProfilerStart/Stop
@@ -382,7 +383,7 @@ def main() -> int:
               flush=True)
         loop = args.loops - 1
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
-                                   direct_loop=args.direct_loop and args.loops > 1)
+                                   direct_loop=args.direct_loop)
         bytes_read = bench.kernel_bytes(config, tokens, loop)
         caches = [bench.random_cache(config, tokens, i, shared=args.shared)
                   for i in range(bench.copies_for(bytes_read))]

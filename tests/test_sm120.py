@@ -180,7 +180,7 @@ def test_wave_fitted_splits_moves_off_a_thin_last_wave(pairs, max_pages, splits,
     assert gluon_launch.split_count(pairs, max_pages) == splits
     fitted = gluon_launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=132)
     assert fitted == expected
-    wave = 132 * gluon_launch.PERSISTENT_BLOCKS_PER_SM
+    wave = gluon_launch.programs_per_wave(132)
     programs = pairs * fitted
     assert programs <= wave or programs % wave == 0 or programs % wave >= gluon_launch.TAIL_MIN_FILL * wave
     assert gluon_launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=None) == splits  # no GPU: unchanged

@@ -123,11 +123,17 @@ def split_count(pairs: int, max_pages: int, *, target_programs: int = TARGET_PRO
     return splits
 
 
+def programs_per_wave(sm_count: int) -> int:
+    """Page-kernel programs resident at once on a GPU of ``sm_count`` SMs (:data:`PERSISTENT_BLOCKS_PER_SM`
+    one-warp programs an SM): a wave."""
+    return sm_count * PERSISTENT_BLOCKS_PER_SM
+
+
 def wave_fitted_splits(pairs: int, max_pages: int, splits: int, *, sm_count: int | None,
                        min_pages_per_split: int = MIN_PAGES_PER_SPLIT) -> int:
     """``splits`` (from :func:`split_count`), or the nearest split count whose programs leave no thin
-    last wave: where ``pairs * splits`` programs pass a whole number of waves (``sm_count *``
-    :data:`PERSISTENT_BLOCKS_PER_SM`) by less than :data:`TAIL_MIN_FILL` of a wave, the few programs
+    last wave: where ``pairs * splits`` programs pass a whole number of waves (:func:`programs_per_wave`)
+    by less than :data:`TAIL_MIN_FILL` of a wave, the few programs
     of that last wave run alone at the end of the call, each as long as any other. Among the split
     counts from ``ceil(splits / 2)`` to ``2 * splits`` (at least ``min_pages_per_split`` pages each)
     this takes the one of least cost, ``pages per split x max(0, TAIL_MIN_FILL - fill of the last
@@ -153,7 +159,7 @@ def wave_fitted_splits(pairs: int, max_pages: int, splits: int, *, sm_count: int
                          f"splits={splits}, min_pages_per_split={min_pages_per_split}")
     if sm_count is None or sm_count < 1:
         return splits
-    wave = sm_count * PERSISTENT_BLOCKS_PER_SM
+    wave = programs_per_wave(sm_count)
     most = max(1, -(-max_pages // min_pages_per_split))
 
     def cost(count):
@@ -227,7 +233,7 @@ def preferred_persistent_programs(*, format: str, head_dim: int, streams: int, s
     if (sm_count is None or format != "int4" or head_dim != 128 or streams != 1 or sparse_rows or stages != 2
             or overlap):
         return 0
-    wave = sm_count * PERSISTENT_BLOCKS_PER_SM
+    wave = programs_per_wave(sm_count)
     rounds = -(-items // wave)
     if rounds < PERSISTENT_MIN_WAVES:
         return 0
