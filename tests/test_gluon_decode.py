@@ -575,6 +575,25 @@ def test_gluon_kernel_merges_the_splits(rng, group, merge, splits, registers):
     assert (relative_errors(actual, expected) < TOLERANCE).all()
 
 
+def test_default_merge_by_partials():
+    """In the page kernel up to KERNEL_MERGE_SLOTS partials, XLA's single fusion up to GLUON_MERGE_SLOTS,
+    the one-pass merge kernel beyond; groups past 8 rows (row blocks) merge in XLA."""
+    from jflashloop_triton_kernels.decode_attention import (
+        GLUON_MERGE_SLOTS,
+        KERNEL_MERGE_SLOTS,
+        preferred_merge,
+    )
+
+    assert preferred_merge(KERNEL_MERGE_SLOTS, in_kernel=True) == "kernel"
+    assert preferred_merge(KERNEL_MERGE_SLOTS, in_kernel=False) == "xla"
+    assert preferred_merge(KERNEL_MERGE_SLOTS + 1, in_kernel=True) == "xla"
+    assert preferred_merge(GLUON_MERGE_SLOTS, in_kernel=True) == "xla"
+    assert preferred_merge(GLUON_MERGE_SLOTS + 1, in_kernel=True) == "gluon"
+    assert preferred_merge(GLUON_MERGE_SLOTS + 1, in_kernel=False) == "gluon"
+    assert preferred_merge(GLUON_MERGE_SLOTS + 1, in_kernel=True, row_blocks=2) == "xla"
+    assert preferred_merge(2, in_kernel=True, row_blocks=2) == "xla"
+
+
 def test_emulation_refuses_unknown_inline_ptx():
     from jflashloop_triton_kernels import emulate
 

@@ -27,6 +27,10 @@ LOG2_E = math.log2(math.e)
 # The page kernel merges the splits itself (one launch for the whole call) when a (sequence, KV head)
 # has at most this many partials; more go to XLA's merge (the last program's merge is then too long).
 KERNEL_MERGE_SLOTS = 16
+# Beyond this many partials a (sequence, KV head), the Gluon merge kernel merges them (one pass, one launch):
+# 3.5 against XLA's 5.7 us at 33 partials, 2.2 against 3.4 at 65; at 17, XLA's single fusion took 1.1 against 2.6
+# (bench/KERNEL_NOTES.md, "The merge kernel in one pass").
+GLUON_MERGE_SLOTS = 32
 
 
 def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel: str = "pipelined",
@@ -92,6 +96,18 @@ def merge_launch(head_dim: int, slots: int, group: int = ROWS) -> dict[str, int]
     most = max(1, MERGE_VALUES_PER_THREAD * 32 * warps // (rows * channels))
     return dict(SB=min(1 << (most.bit_length() - 1), 1 << max(slots - 1, 1).bit_length()), DB=channels,
                 WARPS=warps)
+
+
+def preferred_merge(slots: int, *, in_kernel: bool, row_blocks: int = 1) -> str:
+    """The merge of ``slots`` partials a (sequence, KV head) when the caller names none: ``"kernel"`` where
+    the page kernel can merge (``in_kernel``: pipelined, windows fused, not partials only; one block of 8
+    rows) and there are at most :data:`KERNEL_MERGE_SLOTS`; the Gluon merge kernel beyond
+    :data:`GLUON_MERGE_SLOTS` (one block of rows); else ``"xla"``."""
+    if row_blocks == 1 and in_kernel and slots <= KERNEL_MERGE_SLOTS:
+        return "kernel"
+    if row_blocks == 1 and slots > GLUON_MERGE_SLOTS:
+        return "gluon"
+    return "xla"
 
 
 def merge_partials(output, total, running_max, group: int, *, emulate: bool = False):
@@ -383,9 +399,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       merge kernel: one more custom call) or ``"kernel"`` (the last program
       of each (sequence, KV head) merges inside the page kernel: one launch
       for the whole call; pipelined kernel with fused windows); None:
-      ``"kernel"`` where it applies and a (sequence, KV head) has at most
-      :data:`KERNEL_MERGE_SLOTS` partials (short contexts), else ``"xla"``
-      (``bench/KERNEL_NOTES.md``).
+      :func:`preferred_merge` (``bench/KERNEL_NOTES.md``).
     """
     sequences, q_heads, head_dim = queries.shape
     kv_heads = ring_keys.shape[2]
@@ -442,8 +456,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         overlap = False
     if merge is None:  # measured: bench/KERNEL_NOTES.md ("Splits, merges and the custom-call target at 48 calls")
         slots = splits + 1 if fused_windows else splits
-        merge = ("kernel" if pipelined and fused_windows and row_blocks == 1 and not partials_only
-                 and slots <= KERNEL_MERGE_SLOTS else "xla")
+        merge = preferred_merge(slots, in_kernel=pipelined and fused_windows and not partials_only,
+                                row_blocks=row_blocks)
     if merge not in ("gluon", "xla", "kernel"):
         raise ValueError(f"merge must be 'gluon', 'xla' or 'kernel', got {merge!r}")
     in_kernel = merge == "kernel" and pipelined and fused_windows and not partials_only
