@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import jflashloop
-from jflashloop import CacheConfig, LoopStorage, paged_cache, storage
+from jflashloop import CacheConfig, paged_cache, storage
 from jflashloop.cache._pages import pack_pages, unpack_pages
 from jflashloop.ops import arg_specs
 from jflashloop.paged_cache import LoopTiles
@@ -45,8 +45,8 @@ SHAPES = list(arg_specs.DECODE_SHAPES)
 
 
 def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_dim=HEAD_DIM, direct_loop=False):
-    """``value_format``: "int4" (FlashLoop policy), "nvfp4" or "int4_rotated" (every stream);
-    ``direct_loop``: loop 2 stored on its own (``CacheConfig.flashloop(direct_loop=True)``, INT4 only)."""
+    """``value_format``: "int4" (FlashLoop policy), "nvfp4" or "int4_rotated" (every stream, the sparse
+    rows too); ``direct_loop``: loop 2 stored on its own (``CacheConfig.flashloop(direct_loop=True)``)."""
     page_size = 64
     pages = tokens // page_size
     config = CacheConfig.flashloop(
@@ -54,15 +54,12 @@ def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_di
         max_sequences=sequences, max_pages_per_sequence=pages, num_loops=loops, page_size=page_size,
         direct_loop=direct_loop,
     )
-    if value_format == "nvfp4":
-        nvfp4 = jflashloop.NVFP4
-        new_loops = [LoopStorage(nvfp4, nvfp4, s.sparse_rows_per_page) for s in config.loops]
-        config = dataclasses.replace(config, loops=tuple(new_loops))
-    if value_format == "int4_rotated":
-        keys = jflashloop.int4_rotated(head_dim, 0)
-        values = jflashloop.int4_rotated(head_dim, 1)
-        new_loops = [LoopStorage(keys, values, s.sparse_rows_per_page) for s in config.loops]
-        config = dataclasses.replace(config, loops=tuple(new_loops))
+    codecs = {"nvfp4": (jflashloop.NVFP4, jflashloop.NVFP4),
+              "int4_rotated": (jflashloop.int4_rotated(head_dim, 0), jflashloop.int4_rotated(head_dim, 1))}
+    if value_format in codecs:  # every stream, sparse rows included; the loops' kinds (direct, sparse) kept
+        keys, values = codecs[value_format]
+        config = dataclasses.replace(config, loops=tuple(
+            dataclasses.replace(loop, key_spec=keys, value_spec=values) for loop in config.loops))
     return config
 
 

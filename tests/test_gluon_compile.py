@@ -96,6 +96,20 @@ def test_pipelined_kernel_compiles_for_other_formats(format):
     assert _count(ptx, r"mma\.sync\.aligned\.m16n8k16") > 0 and _count(ptx, r"st\.shared") == 0
 
 
+@pytest.mark.parametrize("format, group", [("nvfp4", 1), ("int4_rotated", 4)])
+def test_sparse_rows_of_the_dense_format_stay_in_registers(format, group):
+    """A direct chain's loop 4 in NVFP4 or int4_rotated (one dense stream, two sparse loops of rows in the
+    same format, one staggered stage, as the library launches it): no decoded tile through shared memory,
+    no spills (ptxas, sm_90a)."""
+    compiled = compile_check.compile_pages_kernel(
+        "pipelined", format=format, rows_format=format, streams=1, sparse=(16, 7), stages=1, stagger=True,
+        group=group, value_group=16 if format == "nvfp4" else 128)
+    ptx = compiled.asm["ptx"]
+    assert _count(ptx, r"st\.shared") == 0 and _count(ptx, r"wgmma") == 0
+    resources = compile_check.ptxas_resources(ptx, "sm_90a")
+    assert resources["registers"] <= 255 and resources["spill_stores"] == 0, resources
+
+
 def _scale_pair_multiplies(ptx: str) -> int:
     """The ``x 256`` of each E4M3 scale pair's conversion (``gluon_decode._E4M3_PAIR_ASM``), one a block."""
     return _count(ptx, r"0x5C005C00")

@@ -507,6 +507,35 @@ def test_gluon_kernel_full_flashloop_chain(rng, page_size):
         assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
 
 
+def _format_chain(base, dense, rows=None):
+    """``base`` (a FlashLoop chain) with every dense loop in ``dense`` (K and V) and every sparse loop's rows
+    in ``rows`` (default: ``dense``), the loops' counts and kinds kept."""
+    rows = dense if rows is None else rows
+    return dataclasses.replace(base, loops=tuple(
+        dataclasses.replace(loop, key_spec=rows[0] if loop.is_sparse else dense[0],
+                            value_spec=rows[1] if loop.is_sparse else dense[1]) for loop in base.loops))
+
+
+@pytest.mark.parametrize("format, rows, direct", [
+    ("nvfp4", "nvfp4", False), ("int4_rotated", "int4_rotated", False), ("nvfp4", "int4", True),
+    *gpu_only(("nvfp4", "nvfp4", True), ("int4_rotated", "int4_rotated", True), ("nvfp4", "int4", False))])
+def test_gluon_kernel_sparse_rows_of_each_format(rng, format, rows, direct):
+    """Chains of NVFP4 or int4_rotated streams with sparse rows of their own format, and NVFP4 streams with
+    INT4 rows (16-channel groups): each row's residual at its token, in the dense streams' units (INT4's
+    scores are in units of KEY_UNIT, the others' are scores)."""
+    base = small_config(num_loops=4, page_size=64, head_dim=64, max_pages_per_sequence=40, num_pages=128,
+                        direct_loop=direct)
+    codecs = {"nvfp4": (jflashloop.NVFP4,) * 2, "int4": (jflashloop.CodecSpec("int4", "token", 16),) * 2,
+              "int4_rotated": (jflashloop.int4_rotated(64, 3), jflashloop.int4_rotated(64, 4))}
+    config = _format_chain(base, codecs[format], codecs[rows])
+    cache, _ = build(rng, config, prompt_lengths=[5 * 64 + 9, 3, 2 * 64], steps=2)
+    queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
+    for loop in (2, 3):
+        expected = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=True)
+        actual = gluon_attention(queries, cache, 1, include_pending=True, loop=loop)
+        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+
+
 def test_gluon_kernel_chain_after_a_direct_loop(rng):
     """A direct loop 2 (stored on its own) and the sparse loops after it: the kernel reads one dense stream
     and the sparse rows (loops 2-4 read no base)."""

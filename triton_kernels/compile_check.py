@@ -45,7 +45,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
                          merge: bool = False, precise: bool = True, group: int = 8, query: str = "*bf16",
                          row_blocks: int = 1, lazy: bool = False, overlap: bool = False, window: str = "*bf16",
                          merge_registers: int | None = None, stagger: bool = False, scaled: bool | None = None,
-                         persist: int = 0):
+                         persist: int = 0, rows_format: str = "int4"):
     """``triton.compile`` one page kernel for ``sm_<capability>``: the CompiledKernel.
 
     ``kernel``: ``"pipelined"`` or ``"simple"`` (Gluon, 1 warp) or
@@ -58,7 +58,8 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     streams rotate them in float32); ``merge_registers``: the in-kernel
     merge's registers per round trip (None: ``launch.MERGE_REGISTERS``);
     ``scaled``: INT4 values as subnormal codes against scaled probabilities
-    (None: ``launch.preferred_scaled_values``); ``persist``: that many persistent programs (``PERSIST``).
+    (None: ``launch.preferred_scaled_values``); ``persist``: that many persistent programs (``PERSIST``);
+    ``rows_format``: the sparse rows' format (``"int4"``, or ``format`` itself: ``ROWS_FORMAT``).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -70,9 +71,10 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     pipelined = kernel == "pipelined"
     fn = {"pipelined": gluon_decode.int4_pages_kernel_v2, "simple": gluon_decode.int4_pages_kernel,
           "triton": triton_decode.int4_pages_kernel}[kernel]
-    stream = {"int4": ["*u32", "*fp16", "*fp16"], "nvfp4": ["*u32", "*u8", "*fp32"],
-              "int4_rotated": ["*u32", "*fp32", "*fp32"]}[format] * 2
-    sparse_stream = ["*u32", "*fp16", "*fp16", "*u32", "*fp16", "*fp16", "*i8"]
+    formats = {"int4": ["*u32", "*fp16", "*fp16"], "nvfp4": ["*u32", "*u8", "*fp32"],
+               "int4_rotated": ["*u32", "*fp32", "*fp32"]}
+    stream = formats[format] * 2
+    sparse_stream = formats[rows_format] * 2 + ["*i8"]
     windows = stream + sparse_stream * 2 + [window] * 4 if pipelined else []
     if not pipelined:
         stream = ["*u32", "*fp16", "*fp16"] * 2
@@ -82,7 +84,8 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
         constants.update(STAGES=stages, RING=ring, WINDOWS=True, CHUNK=chunk or page_size, STREAMS=streams)
     if pipelined:
         constants["FORMAT"] = {"int4": 0, "nvfp4": 1, "int4_rotated": 2}[format]
-        constants.update(SPARSE=len(sparse), R3=sparse[0] if sparse else 16, R4=sparse[1] if len(sparse) > 1 else 16)
+        constants.update(SPARSE=len(sparse), R3=sparse[0] if sparse else 16, R4=sparse[1] if len(sparse) > 1 else 16,
+                         ROWS_FORMAT={"int4": 0, "nvfp4": 1, "int4_rotated": 2}[rows_format])
     outputs = OUTPUTS + (MERGE_OUTPUTS if pipelined else [])
     if pipelined:
         constants.update(MERGE=merge, GROUP=group, PRECISE=precise, QSCALE=0.12753, PENDING=1, CAPACITY=1 << 20,

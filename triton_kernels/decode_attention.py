@@ -52,13 +52,18 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel:
     if sparse:
         if kernel != "pipelined" or len(sparse) > 2:
             return "the pipelined Gluon kernel reads up to two sparse loops after one or two dense loops"
-        row_spec = ("int4", "token", values.group_size)
-        for loop in sparse:
-            if ((loop.keys.format, loop.keys.axis, loop.keys.group_size) != row_spec
-                    or (loop.values.format, loop.values.axis, loop.values.group_size) != row_spec):
-                return "the Gluon kernel reads sparse loops of INT4 rows grouped like the dense values"
-            if loop.keys.rows > page_size:
-                return "sparse rows exceed the page"
+        # INT4 rows grouped like the dense values (not after int4_rotated streams: another basis), or rows
+        # of the dense streams' own format and grouping
+        row_specs = {(values.format, "token", values.group_size)}
+        if values.format != "int4_rotated":
+            row_specs.add(("int4", "token", values.group_size))
+        specs = {(stream.format, stream.axis, stream.group_size) for loop in sparse
+                 for stream in (loop.keys, loop.values)}
+        if len(specs) > 1 or not specs <= row_specs:
+            return ("the Gluon kernel reads sparse loops of one format: INT4 rows grouped like the dense values "
+                    "(after INT4 or NVFP4 streams), or rows of the dense streams' format and grouping")
+        if any(loop.keys.rows > page_size for loop in sparse):
+            return "sparse rows exceed the page"
     formats = (keys.format, keys.axis, values.format, values.axis)
     if formats == ("nvfp4", "token", "nvfp4", "token") and kernel == "pipelined":
         pass  # NVFP4 keys and values, 16-channel blocks
@@ -129,6 +134,12 @@ def merge_partials(output, total, running_max, group: int, *, emulate: bool = Fa
         return _emulated_call(gluon_decode.merge_kernel, grid, arrays, [], out_shape, constants)[0]
     return call.triton_call(*arrays, kernel=gluon_decode.merge_kernel, out_shape=out_shape, grid=grid,
                             num_warps=launch["WARPS"], name="jflashloop_merge_splits", **constants)[0]
+
+
+def _stream_format(stream) -> int:
+    """The Gluon kernel's format constant of a stream's arrays: 0 INT4 (a minimum), 1 NVFP4 (a tile
+    scale), 2 int4_rotated."""
+    return 0 if stream["minimum"] is not None else (1 if stream["global_scale"] is not None else 2)
 
 
 def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dict[str, Any], *,
@@ -206,7 +217,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         jax.ShapeDtypeStruct((sequences, programs, slots, ROWS), jnp.float32),
         jax.ShapeDtypeStruct((sequences, programs, slots, ROWS), jnp.float32),
     ]
-    stream_format = 0 if keys["minimum"] is not None else (1 if keys["global_scale"] is not None else 2)
+    stream_format = _stream_format(keys)
 
     def stream_arrays(stream):
         if stream["global_scale"] is not None:  # NVFP4: E4M3 scales as bytes, the tile scales for the minimums
@@ -253,12 +264,12 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         for index in range(2):  # sparse loops 3 and 4 (loop 1's arrays, unread, where absent)
             if index < len(sparse):
                 s = sparse[index]
-                arrays += [s["keys"]["payload"], s["keys"]["scale"], s["keys"]["minimum"], s["values"]["payload"],
-                           s["values"]["scale"], s["values"]["minimum"], s["row_positions"]]
+                arrays += [*stream_arrays(s["keys"]), *stream_arrays(s["values"]), s["row_positions"]]
             else:
                 arrays += [*stream_arrays(keys), *stream_arrays(values), block_tables]
         extra.update(SPARSE=len(sparse), R3=sparse_rows[0] if sparse else 16,
-                     R4=sparse_rows[1] if len(sparse) > 1 else 16)
+                     R4=sparse_rows[1] if len(sparse) > 1 else 16,
+                     ROWS_FORMAT=_stream_format(sparse[0]["keys"]) if sparse else 0)
         out_shape += [
             jax.ShapeDtypeStruct((sequences, kv_heads * (merge_group or 1), head_dim) if merge_group else (1,),
                                  jnp.float32),

@@ -1098,6 +1098,35 @@ def _zero_point(scale):
 
 
 @gluon.jit
+def _rotated_key_tile(words, zp, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, B_LAYOUT: gl.constexpr):
+    """int4_rotated key words uint32 ``[PAGE, W]`` and their tokens' zero points float32 ``[PAGE]`` (in
+    ``SliceLayout(1, words' layout)``) -> ``code - zp`` ``[D, PAGE]`` (float16, exact; logical key order) in
+    ``B_LAYOUT``."""
+    (c0, c1, c2, c3, c4, c5, c6, c7) = gl.inline_asm_elementwise(
+        _ROTATED_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+        [words, gl.expand_dims((zp + 1024.0).to(gl.float16), 1), gl.expand_dims((-64.0 - zp).to(gl.float16), 1)],
+        dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    return _planes_to_key_tile(c0, c1, c2, c3, c4, c5, c6, c7, PAGE, W, D, B_LAYOUT)
+
+
+@gluon.jit
+def _rotated_value_tile(words, zp, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """int4_rotated value words uint32 ``[PAGE, W]`` and their tokens' zero points float32 ``[PAGE]`` (in
+    ``SliceLayout(1, words' layout)``) -> ``V^T [D, PAGE]`` of ``code - zp`` (float16, exact) in ``A_LAYOUT``."""
+    even, odd = gl.split(gl.permute(gl.reshape(words, [PAGE // 2, 2, W]), [0, 2, 1]))
+    VE: gl.constexpr = gl.SliceLayout(1, even.type.layout)
+    zp_even, zp_odd = gl.split(gl.reshape(zp, [PAGE // 2, 2]))
+    zp_even = gl.expand_dims(gl.convert_layout(zp_even, VE), 1)
+    zp_odd = gl.expand_dims(gl.convert_layout(zp_odd, VE), 1)
+    (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
+        _ROTATED_VALUE_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h,h,h",
+        [even, odd, (zp_even + 1024.0).to(gl.float16), (zp_odd + 1024.0).to(gl.float16),
+         (-64.0 - zp_even).to(gl.float16), (-64.0 - zp_odd).to(gl.float16)],
+        dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    return _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7, PAGE, W, D, A_LAYOUT)
+
+
+@gluon.jit
 def _planes_to_key_tile(c0, c1, c2, c3, c4, c5, c6, c7, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
                         B_LAYOUT: gl.constexpr):
     """8 planes ``[PAGE, W]`` (nibble ``i`` of every key word) -> ``[D, PAGE]`` logical key order."""
@@ -1242,14 +1271,66 @@ def _one_hot(pairs_a, pairs_b, ASM: gl.constexpr, K: gl.constexpr, N: gl.constex
 @gluon.jit
 def _sparse_meta(tile, ks_ptr, km_ptr, vs_ptr, vm_ptr, pos_ptr, R: gl.constexpr, RP: gl.constexpr,
                  NG: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, SB: gl.constexpr, GB: gl.constexpr,
-                 SCALED: gl.constexpr):
-    """A sparse tile's row metadata, read straight from memory: key and value (scale, min)
-    ``[RP, NG]`` (0 past ``R``; the values' ``[NG, RP]`` with ``SCALED``, in ``VS``) and the rows'
-    page positions as float16 bits (0xFFFF, a NaN,
-    past ``R``): rows ``(2 i, 2 i + 1)`` paired ``[RP / 2]`` for the scatter's one-hot operand
-    (``SB``, ``[RP, CHUNK]``) and each row twice ``[RP]`` for the gather's (``GB``, ``[CHUNK, RP]``)."""
+                 SCALED: gl.constexpr, ROWS: gl.constexpr = 0, KWR: gl.constexpr = None, VTR: gl.constexpr = None,
+                 COLS: gl.constexpr = None, VCOLS: gl.constexpr = None):
+    """A sparse tile's row metadata, read straight from memory: ``(key meta, value meta, pairs, gathered)``.
+
+    The key and value meta by the rows' format ``ROWS``: INT4 (scale, min) ``[RP, NG]`` (0 past ``R``; the
+    values' ``[NG, RP]`` with ``SCALED``, in ``VS``); NVFP4 (E4M3 scale bytes ``[RP, NG]``, ``NG = D / 16``,
+    in ``KS`` / ``VS``, and the tile's float32 scale x ``NVFP4_UNIT``); int4_rotated the rows' float32
+    scales ``[RP]`` twice, in ``SliceLayout(1, KWR)`` (keys) or ``(1, VTR)`` (values) for the zero points
+    and in ``COLS`` (the key product's columns ``[RP]``) or ``VCOLS`` (the gathered probabilities') for
+    the scales. Then the rows' page positions as
+    float16 bits (0xFFFF, a NaN, past ``R``): rows ``(2 i, 2 i + 1)`` paired ``[RP / 2]`` for the
+    scatter's one-hot operand (``SB``, ``[RP, CHUNK]``) and each row twice ``[RP]`` for the gather's
+    (``GB``, ``[CHUNK, RP]``)."""
     SP: gl.constexpr = _pair_layout(SB)
     GP: gl.constexpr = _pair_layout(GB)
+    even_rows = 2 * gl.arange(0, RP // 2, layout=gl.SliceLayout(1, SP))
+    gather_rows = gl.arange(0, RP, layout=gl.SliceLayout(0, GP))
+    positions = pos_ptr + tile * R
+    even = gl.load(positions + even_rows, mask=even_rows < R, other=-1).to(gl.int32) & 0xFFFF
+    odd = gl.load(positions + even_rows + 1, mask=even_rows + 1 < R, other=-1).to(gl.int32) & 0xFFFF
+    gathered = gl.load(positions + gather_rows, mask=gather_rows < R, other=-1).to(gl.int32) & 0xFFFF
+    pairs = (even | (odd << 16)).to(gl.uint32)
+    gathered = (gathered * 0x10001).to(gl.uint32)
+    if ROWS == ROTATED:
+        k_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, KWR))
+        v_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, VTR))
+        c_rows = gl.arange(0, RP, layout=COLS)
+        g_rows = gl.arange(0, RP, layout=VCOLS)
+        rows = ks_ptr + tile * R
+        values = vs_ptr + tile * R
+        key_meta = (gl.load(rows + k_rows, mask=k_rows < R, other=0.0),
+                    gl.load(rows + c_rows, mask=c_rows < R, other=0.0))
+        value_meta = (gl.load(values + v_rows, mask=v_rows < R, other=0.0),
+                      gl.load(values + g_rows, mask=g_rows < R, other=0.0))
+    else:
+        k_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, KS))
+        k_offsets = gl.expand_dims(k_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, KS)), 0)
+        k_mask = gl.expand_dims(k_rows < R, 1)
+        if SCALED:  # [NG, RP]
+            v_rows = gl.arange(0, RP, layout=gl.SliceLayout(0, VS))
+            v_offsets = (gl.expand_dims(v_rows, 0) * NG
+                         + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(1, VS)), 1))
+            v_mask = gl.expand_dims(v_rows < R, 0)
+        else:
+            v_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, VS))
+            v_offsets = (gl.expand_dims(v_rows, 1) * NG
+                         + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, VS)), 0))
+            v_mask = gl.expand_dims(v_rows < R, 1)
+        base = tile * (R * NG)
+        if ROWS == NVFP4:
+            key_meta = (gl.load(ks_ptr + base + k_offsets, mask=k_mask, other=0),
+                        gl.load(km_ptr + tile) * NVFP4_UNIT)
+            value_meta = (gl.load(vs_ptr + base + v_offsets, mask=v_mask, other=0),
+                          gl.load(vm_ptr + tile) * NVFP4_UNIT)
+        else:
+            key_meta = (gl.load(ks_ptr + base + k_offsets, mask=k_mask, other=0.0),
+                        gl.load(km_ptr + base + k_offsets, mask=k_mask, other=0.0))
+            value_meta = (gl.load(vs_ptr + base + v_offsets, mask=v_mask, other=0.0),
+                          gl.load(vm_ptr + base + v_offsets, mask=v_mask, other=0.0))
+    return key_meta, value_meta, pairs, gathered
     k_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, KS))
     k_offsets = gl.expand_dims(k_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, KS)), 0)
     k_mask = gl.expand_dims(k_rows < R, 1)
@@ -1261,44 +1342,56 @@ def _sparse_meta(tile, ks_ptr, km_ptr, vs_ptr, vm_ptr, pos_ptr, R: gl.constexpr,
         v_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, VS))
         v_offsets = gl.expand_dims(v_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, VS)), 0)
         v_mask = gl.expand_dims(v_rows < R, 1)
-    even_rows = 2 * gl.arange(0, RP // 2, layout=gl.SliceLayout(1, SP))
-    gather_rows = gl.arange(0, RP, layout=gl.SliceLayout(0, GP))
     base = tile * (R * NG)
-    positions = pos_ptr + tile * R
-    even = gl.load(positions + even_rows, mask=even_rows < R, other=-1).to(gl.int32) & 0xFFFF
-    odd = gl.load(positions + even_rows + 1, mask=even_rows + 1 < R, other=-1).to(gl.int32) & 0xFFFF
-    gathered = gl.load(positions + gather_rows, mask=gather_rows < R, other=-1).to(gl.int32) & 0xFFFF
-    return (gl.load(ks_ptr + base + k_offsets, mask=k_mask, other=0.0),
-            gl.load(km_ptr + base + k_offsets, mask=k_mask, other=0.0),
-            gl.load(vs_ptr + base + v_offsets, mask=v_mask, other=0.0),
-            gl.load(vm_ptr + base + v_offsets, mask=v_mask, other=0.0),
-            (even | (odd << 16)).to(gl.uint32),
-            (gathered * 0x10001).to(gl.uint32))
+    if ROWS == NVFP4:
+        key_meta = (gl.load(ks_ptr + base + k_offsets, mask=k_mask, other=0), gl.load(km_ptr + tile) * NVFP4_UNIT)
+        value_meta = (gl.load(vs_ptr + base + v_offsets, mask=v_mask, other=0), gl.load(vm_ptr + tile) * NVFP4_UNIT)
+    else:
+        key_meta = (gl.load(ks_ptr + base + k_offsets, mask=k_mask, other=0.0),
+                    gl.load(km_ptr + base + k_offsets, mask=k_mask, other=0.0))
+        value_meta = (gl.load(vs_ptr + base + v_offsets, mask=v_mask, other=0.0),
+                      gl.load(vm_ptr + base + v_offsets, mask=v_mask, other=0.0))
+    return key_meta, value_meta, pairs, gathered
 
 
 @gluon.jit
 def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CHUNK: gl.constexpr,
                        W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, MMA: gl.constexpr,
-                       A_OP: gl.constexpr, B_OP: gl.constexpr, KWR: gl.constexpr, SB: gl.constexpr):
+                       A_OP: gl.constexpr, B_OP: gl.constexpr, KWR: gl.constexpr, SB: gl.constexpr,
+                       ROWS: gl.constexpr = 0, FORMAT: gl.constexpr = 0):
     """``scores [16, CHUNK]`` plus a sparse key stream's residual scores at its rows' tokens:
     ``q . d`` for every stored row (one product, ``n = RP``), scattered to the chunk's tokens by a
     one-hot product (``k = RP``; 8 rows padded to 16 with zeros in registers). ``SB``: the one-hot
-    operand's layout ``[RP, CHUNK]``."""
-    scale, minimum, positions = meta[0], meta[1], meta[4]
-    words = gl.reshape(kw_s.index(stage).load(KWR), [RP, NG, W // NG])
-    S2: gl.constexpr = gl.SliceLayout(2, words.type.layout)
-    (c0, c1, c2, c3, c4, c5, c6, c7) = gl.inline_asm_elementwise(
-        _ROW_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
-        [words, gl.expand_dims(gl.convert_layout(scale, S2), 2), gl.expand_dims(gl.convert_layout(minimum, S2), 2)],
-        dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-    keys = _planes_to_key_tile(gl.reshape(c0, [RP, W]), gl.reshape(c1, [RP, W]), gl.reshape(c2, [RP, W]),
-                               gl.reshape(c3, [RP, W]), gl.reshape(c4, [RP, W]), gl.reshape(c5, [RP, W]),
-                               gl.reshape(c6, [RP, W]), gl.reshape(c7, [RP, W]), RP, W, D, B_OP)
-    rows = _q_dot(query, keys, gl.zeros([16, RP], gl.float32, layout=MMA)).to(gl.float16)  # [16, RP]
+    operand's layout ``[RP, CHUNK]``; ``ROWS``: the rows' format (:func:`_sparse_meta`); ``FORMAT``:
+    the dense streams' (INT4's scores are in units of ``KEY_UNIT``, the others' in scores)."""
+    words = kw_s.index(stage).load(KWR)
+    zeros = gl.zeros([16, RP], gl.float32, layout=MMA)
+    if ROWS == NVFP4:  # e2m1 * scale / NVFP4_UNIT, the tile scale on the product
+        scale_bytes, tile_scale = meta[0]
+        rows = _q_dot(query, _nvfp4_key_tile(words, scale_bytes, RP, W, D, B_OP), zeros) * tile_scale
+    elif ROWS == ROTATED:  # code - zp, each row's scale on its column of the product
+        zp_scale, column_scale = meta[0]
+        keys = _rotated_key_tile(words, _zero_point(zp_scale), RP, W, D, B_OP)
+        rows = _q_dot(query, keys, zeros) * gl.expand_dims(column_scale, 0)
+    else:
+        scale, minimum = meta[0]
+        words = gl.reshape(words, [RP, NG, W // NG])
+        S2: gl.constexpr = gl.SliceLayout(2, words.type.layout)
+        (c0, c1, c2, c3, c4, c5, c6, c7) = gl.inline_asm_elementwise(
+            _ROW_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+            [words, gl.expand_dims(gl.convert_layout(scale, S2), 2), gl.expand_dims(gl.convert_layout(minimum, S2), 2)],
+            dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        keys = _planes_to_key_tile(gl.reshape(c0, [RP, W]), gl.reshape(c1, [RP, W]), gl.reshape(c2, [RP, W]),
+                                   gl.reshape(c3, [RP, W]), gl.reshape(c4, [RP, W]), gl.reshape(c5, [RP, W]),
+                                   gl.reshape(c6, [RP, W]), gl.reshape(c7, [RP, W]), RP, W, D, B_OP)
+        rows = _q_dot(query, keys, zeros)
+    rows = rows.to(gl.float16)  # [16, RP]
+    positions = meta[2]
     token = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, _pair_layout(SB)))
-    # [RP, CHUNK], KEY_UNIT at a row's token: the dense streams' scores are in units of KEY_UNIT
+    # [RP, CHUNK] one-hot: KEY_UNIT at a row's token where the dense streams' scores are in units of
+    # KEY_UNIT (INT4), 1.0 where they are scores
     one_hot = _one_hot(gl.expand_dims(positions, 1), gl.expand_dims((token * 0x10001).to(gl.uint32), 0),
-                       _SCATTER_ONE_HOT_ASM, RP, CHUNK, SB)
+                       _SCATTER_ONE_HOT_ASM if FORMAT == INT4 else _GATHER_ONE_HOT_ASM, RP, CHUNK, SB)
     if RP < 16:
         rows = _stack_cols(rows, gl.zeros_like(rows), 16, RP, A_OP)
         one_hot = _stack_rows(one_hot, gl.zeros_like(one_hot), CHUNK, B_OP)
@@ -1312,33 +1405,47 @@ def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CH
 def _add_sparse_values(acc, mins, weights, vw_s, stage, meta, c, RP: gl.constexpr, CHUNK: gl.constexpr,
                        W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, MMA: gl.constexpr,
                        A_OP: gl.constexpr, B_OP: gl.constexpr, VTR: gl.constexpr, GB: gl.constexpr,
-                       VA: gl.constexpr, SCALED: gl.constexpr):
+                       VA: gl.constexpr, SCALED: gl.constexpr, ROWS: gl.constexpr = 0):
     """``(acc [D, 8], mins)`` plus a sparse value stream's residual rows weighted by their tokens'
     probabilities (gathered by a one-hot product, ``n = RP``; then ``k = RP``, 8 rows padded to 16
     with zeros in registers). ``GB``: the one-hot operand's layout ``[CHUNK, RP]``; ``VA``: the
-    rows' ``[D, RP]``; ``SCALED``: the rows' codes against the gathered probabilities times their
-    scales (the metadata ``[NG, RP]``), the minimums' terms into ``mins``."""
-    scale, minimum, positions = meta[2], meta[3], meta[5]
+    rows' ``[D, RP]``; ``SCALED`` (INT4 rows): the rows' codes against the gathered probabilities times
+    their scales (the metadata ``[NG, RP]``), the minimums' terms into ``mins``; ``ROWS``: the rows'
+    format (:func:`_sparse_meta`; NVFP4 and int4_rotated rows add values, not codes)."""
+    positions = meta[3]
     probabilities = _pad_rows(weights.to(gl.float16), CHUNK, A_OP)  # [16, CHUNK]
     token = c * CHUNK + 2 * gl.arange(0, CHUNK // 2, layout=gl.SliceLayout(1, _pair_layout(GB)))  # (t, t + 1)
     one_hot = _one_hot(gl.expand_dims((token | ((token + 1) << 16)).to(gl.uint32), 1), gl.expand_dims(positions, 0),
                        _GATHER_ONE_HOT_ASM, CHUNK, RP, GB)  # [CHUNK, RP]
     one_hot = gl.convert_layout(one_hot, B_OP, assert_trivial=True)
     gathered = _top_rows(mma_v2(probabilities, one_hot, gl.zeros([16, RP], gl.float32, layout=MMA)), RP)
-    if SCALED:
+    words = vw_s.index(stage).load(VTR)
+    if ROWS == NVFP4:  # e2m1 * scale / NVFP4_UNIT; the tile's scale on the product
+        scale_bytes, unit = meta[1]
+        p_rows = gl.permute(gathered.to(gl.float16), [1, 0])  # [RP, 8]
+        values = _nvfp4_value_tile(words, scale_bytes, RP, W, D, VA)
+    elif ROWS == ROTATED:  # code - zp; each row's scale on its gathered probabilities
+        zp_scale, row_scale = meta[1]
+        p_rows = gl.permute((gathered * gl.expand_dims(row_scale, 0)).to(gl.float16), [1, 0])  # [RP, 8]
+        values = _rotated_value_tile(words, _zero_point(zp_scale), RP, W, D, VA)
+    elif SCALED:
+        scale, minimum = meta[1]
         scaled, row_mins = _scaled_probabilities(gathered, scale, minimum, NG, RP)
         mins = mins + gl.convert_layout(row_mins, mins.type.layout, assert_trivial=True)
         p_rows = gl.permute(scaled, [1, 0])  # [RP, 8]
-        values = _value_codes(vw_s.index(stage).load(VTR), RP, W, D, VA)
+        values = _value_codes(words, RP, W, D, VA)
     else:
+        scale, minimum = meta[1]
         p_rows = gl.permute(gathered.to(gl.float16), [1, 0])  # [RP, 8]
-        values = _value_tile_v2(vw_s.index(stage).load(VTR), scale, minimum, RP, W, D, NG, VA)
+        values = _value_tile_v2(words, scale, minimum, RP, W, D, NG, VA)
     if RP < 16:
         p_rows = _stack_rows(p_rows, gl.zeros_like(p_rows), 8, B_OP)
         values = _stack_cols(values, gl.zeros_like(values), D, RP, A_OP)
     else:
         p_rows = gl.convert_layout(p_rows, B_OP, assert_trivial=True)
         values = gl.convert_layout(values, A_OP, assert_trivial=True)
+    if ROWS == NVFP4:
+        return acc + unit * mma_v2(values, p_rows, gl.zeros_like(acc)), mins
     return mma_v2(values, p_rows, acc), mins
 
 
@@ -1365,12 +1472,7 @@ def _add_key_scores(scores, query, terms, kw_s, ks_s, stage, c, zero_scores, PAG
     words = kw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW)
     if FORMAT == ROTATED:
         row_scale = ks_s.index(stage).slice(c * CHUNK, CHUNK, 0)
-        zp = _zero_point(row_scale.load(gl.SliceLayout(1, KW)))
-        (c0, c1, c2, c3, c4, c5, c6, c7) = gl.inline_asm_elementwise(
-            _ROTATED_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
-            [words, gl.expand_dims((zp + 1024.0).to(gl.float16), 1), gl.expand_dims((-64.0 - zp).to(gl.float16), 1)],
-            dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-        keys = _planes_to_key_tile(c0, c1, c2, c3, c4, c5, c6, c7, CHUNK, W, D, B_OP)
+        keys = _rotated_key_tile(words, _zero_point(row_scale.load(gl.SliceLayout(1, KW))), CHUNK, W, D, B_OP)
         column_scale = row_scale.load(gl.SliceLayout(0, zero_scores.type.layout))
         scores = scores + _q_dot(query, keys, zero_scores) * gl.expand_dims(column_scale, 0)
     elif FORMAT == NVFP4:
@@ -1427,19 +1529,7 @@ def _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE
             mins = mins - _lane_sums(scaled.to(gl.float32) * zero_points, CHUNK)
             acc = mma_v2(_value_codes(words, CHUNK, W, D, A_OP), p_scaled, acc)
         else:
-            even, odd = gl.split(gl.permute(gl.reshape(words, [CHUNK // 2, 2, W]), [0, 2, 1]))
-            VE: gl.constexpr = gl.SliceLayout(1, even.type.layout)
-            zp_even, zp_odd = gl.split(gl.reshape(_zero_point(row_scale.load(gl.SliceLayout(1, VT))),
-                                                  [CHUNK // 2, 2]))
-            zp_even = gl.expand_dims(gl.convert_layout(zp_even, VE), 1)
-            zp_odd = gl.expand_dims(gl.convert_layout(zp_odd, VE), 1)
-            (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
-                _ROTATED_VALUE_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h,h,h",
-                [even, odd, (zp_even + 1024.0).to(gl.float16), (zp_odd + 1024.0).to(gl.float16),
-                 (-64.0 - zp_even).to(gl.float16), (-64.0 - zp_odd).to(gl.float16)],
-                dtype=(gl.float16,) * 16, is_pure=True, pack=1)
-            values = _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7,
-                                          CHUNK, W, D, A_OP)
+            values = _rotated_value_tile(words, _zero_point(row_scale.load(gl.SliceLayout(1, VT))), CHUNK, W, D, A_OP)
             acc = mma_v2(values, p_scaled, acc)
     elif FORMAT == NVFP4:
         SG: gl.constexpr = D // 16
@@ -1683,7 +1773,7 @@ def int4_pages_kernel_v2(
     QSCALE: gl.constexpr = 1.0, PENDING: gl.constexpr = 1, CAPACITY: gl.constexpr = 1 << 30,
     RECENT: gl.constexpr = 0, RB: gl.constexpr = 1, LAZY: gl.constexpr = False, OVERLAP: gl.constexpr = False,
     MERGE_REGS: gl.constexpr = MERGE_REGISTERS, STAGGER: gl.constexpr = False, SCALED: gl.constexpr = False,
-    PERSIST: gl.constexpr = 0,
+    PERSIST: gl.constexpr = 0, ROWS_FORMAT: gl.constexpr = 0,
 ):
     """Same contract as :func:`int4_pages_kernel`; with ``WINDOWS`` the program
     of split ``window_split`` also attends over the sink and ring windows, so
@@ -1696,8 +1786,11 @@ def int4_pages_kernel_v2(
     scales ``[H, pool]``; keys are decoded to ``e2m1 * scale`` (exact in
     float16) and the tile scale multiplies each product). ``SPARSE`` = 1 or 2
     adds loops 3 (and 4) of a FlashLoop chain after two dense INT4 loops:
-    compact token-axis INT4 residual rows (``R3``, ``R4`` per tile) at the
-    tokens their positions name (int8 ``[H, pool, R]``). With ``MERGE`` the
+    compact token-axis residual rows (``R3``, ``R4`` per tile) at the
+    tokens their positions name (int8 ``[H, pool, R]``), in ``ROWS_FORMAT``:
+    INT4 rows grouped like the dense values (after INT4 or NVFP4 streams;
+    their pointer slots as an INT4 stream's), or rows of the dense streams'
+    own format, NVFP4 or int4_rotated (their slots as those streams'). With ``MERGE`` the
     last program of each (sequence, KV head) to finish (an atomic counter)
     merges every split's partials and writes the ``GROUP`` output rows of
     its query heads: no separate merge. ``PRECISE`` holds the query and the
@@ -1768,6 +1861,7 @@ def int4_pages_kernel_v2(
         else:
             VS3: gl.constexpr = _value_meta_layout(RP3, NG, D, GV)
         # the one-hot operands' layouts (the scatter's k and the values' k cut to RP3 from 16 when 8)
+        GC3: gl.constexpr = gl.SliceLayout(0, _top_rows(gl.zeros([16, RP3], gl.float32, layout=MMA), RP3).type.layout)
         SB3: gl.constexpr = _narrowed(gl.to_linear_layout(B_OP, [_product_k(RP3), CHUNK]), 0, RP3)
         GB3: gl.constexpr = gl.to_linear_layout(B_OP, [CHUNK, RP3])
         VA3: gl.constexpr = _narrowed(gl.to_linear_layout(A_OP, [D, _product_k(RP3)]), 1, RP3)
@@ -1784,6 +1878,7 @@ def int4_pages_kernel_v2(
         else:
             VS4: gl.constexpr = _value_meta_layout(RP4, NG, D, GV)
         # the one-hot operands' layouts (the scatter's k and the values' k cut to RP4 from 16 when 8)
+        GC4: gl.constexpr = gl.SliceLayout(0, _top_rows(gl.zeros([16, RP4], gl.float32, layout=MMA), RP4).type.layout)
         SB4: gl.constexpr = _narrowed(gl.to_linear_layout(B_OP, [_product_k(RP4), CHUNK]), 0, RP4)
         GB4: gl.constexpr = gl.to_linear_layout(B_OP, [CHUNK, RP4])
         VA4: gl.constexpr = _narrowed(gl.to_linear_layout(A_OP, [D, _product_k(RP4)]), 1, RP4)
@@ -2007,10 +2102,10 @@ def int4_pages_kernel_v2(
                 current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
                 if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
                     meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SB3,
-                                         GB3, SCALED)
+                                         GB3, SCALED, ROWS_FORMAT, KW3, VT3, gl.SliceLayout(0, MMA), GC3)
                 if SPARSE >= 2:
                     meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, SB4,
-                                         GB4, SCALED)
+                                         GB4, SCALED, ROWS_FORMAT, KW4, VT4, gl.SliceLayout(0, MMA), GC4)
                 if STAGGERED:
                     async_copy.wait_group(1)  # this page's keys have landed (its values may be in flight)
                 else:
@@ -2042,10 +2137,10 @@ def int4_pages_kernel_v2(
                                                B_OP, KW, FORMAT)
                     if SPARSE >= 1:
                         both = _add_sparse_scores(both, query, kw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG, MMA, A_OP,
-                                                  B_OP, KW3, SB3)
+                                                  B_OP, KW3, SB3, ROWS_FORMAT, FORMAT)
                     if SPARSE >= 2:
                         both = _add_sparse_scores(both, query, kw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG, MMA, A_OP,
-                                                  B_OP, KW4, SB4)
+                                                  B_OP, KW4, SB4, ROWS_FORMAT, FORMAT)
                     if STAGGERED:
                         if c == PAGE // CHUNK - 1:  # every key tile of the page is read
                             _copy_page(key_tiles, 0, following, following_live, True, STREAMS, SPARSE, R3, RP3, R4, RP4,
@@ -2070,10 +2165,10 @@ def int4_pages_kernel_v2(
                                                 W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
                     if SPARSE >= 1:
                         acc, mins = _add_sparse_values(acc, mins, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG,
-                                                       MMA, A_OP, B_OP, VT3, GB3, VA3, SCALED)
+                                                       MMA, A_OP, B_OP, VT3, GB3, VA3, SCALED, ROWS_FORMAT)
                     if SPARSE >= 2:
                         acc, mins = _add_sparse_values(acc, mins, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG,
-                                                       MMA, A_OP, B_OP, VT4, GB4, VA4, SCALED)
+                                                       MMA, A_OP, B_OP, VT4, GB4, VA4, SCALED, ROWS_FORMAT)
                 if STAGGERED:  # every value tile of the page is read
                     _copy_page(value_tiles, 0, following, following_live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE,
                                W, D, NG, FORMAT)
