@@ -247,7 +247,7 @@ def test_overlap_is_the_default_for_int4_at_head_dim_256(rng, monkeypatch):
     cache, _ = build(rng, config, prompt_lengths=[2 * 64 + 5, 64], steps=1)
     queries = jnp.asarray(rng.standard_normal((2, 8, 256)) * 3, jnp.float32)
     expected = jflashloop.decode_attention_reference(queries, cache, 0, 0, include_pending=True)
-    for splits in (2, 20):  # in-kernel merge; more partials than KERNEL_MERGE_SLOTS: XLA's merge
+    for splits in (2, 20):  # in-kernel merge; more partials than KERNEL_MERGE_SLOTS: merged apart (preferred_merge)
         default = np.asarray(gluon_attention(queries, cache, 0, include_pending=True, splits=splits, version=3))
         assert_bits_equal(default, np.asarray(gluon_attention(queries, cache, 0, include_pending=True, splits=splits, version=7)),
                           f"{splits} splits")

@@ -25,7 +25,7 @@ from . import launch
 ROWS = 8
 LOG2_E = math.log2(math.e)
 # The page kernel merges the splits itself (one launch for the whole call) when a (sequence, KV head)
-# has at most this many partials; more go to XLA's merge (the last program's merge is then too long).
+# has at most this many partials; more are merged apart (preferred_merge: the last program's merge is then too long).
 KERNEL_MERGE_SLOTS = 16
 # Beyond this many partials a (sequence, KV head), the Gluon merge kernel merges them (one pass, one launch):
 # 3.5 against XLA's 5.7 us at 33 partials, 2.2 against 3.4 at 65; at 17, XLA's single fusion took 1.1 against 2.6
