@@ -53,7 +53,7 @@ def scaled_values(*, format: str, head_dim: int, value_group: int, group: int, r
     (head_dim / value_group)`` query rows for INT4, ``8 / (head_dim / 16)`` for NVFP4 (one at head_dim
     128), 8 for int4_rotated (one scale per token); one row block; no lazy rescaling (whose probabilities
     reach 2**8: times a float16 scale they could overflow); and for NVFP4 and int4_rotated no sparse
-    loops (their INT4 rows have groups of their own)."""
+    loops (the kernel adds their rows as values, not codes)."""
     if lazy or row_blocks != 1:
         return False
     if format == "int4_rotated":
