@@ -47,7 +47,7 @@ for stage in "$@"; do
     sharded) run_stage sharded 120 python3 examples/sharded_decode.py --data 1 --model 1 --tokens 4096 --steps 8 ;;
     sweep) run_stage sweep 140 python3 bench/decode.py --sweep ;;
     chainsweep) run_stage chainsweep 200 python3 bench/decode.py --sweep --sweep-loops 2,4 ;;
-    gluontests) run_stage gluontests "${TESTS_LIMIT:-240}" python3 -m pytest -q -n "${TEST_WORKERS:-4}" --maxfail=5 -p no:cacheprovider \
+    gluontests) run_stage gluontests "${TESTS_LIMIT:-390}" python3 -m pytest -q -n "${TEST_WORKERS:-14}" --maxfail=5 -p no:cacheprovider \
              ${TESTS_K:+-k "$TESTS_K"} tests/test_gluon_decode.py tests/test_chunks.py tests/test_direct_loops.py ;;
     formulations) run_stage formulations 200 python3 bench/kernel_formulations.py ;;
     gluonbench) run_stage gluonbench "${BENCH_LIMIT:-280}" python3 bench/kernel_formulations.py --device-time \
