@@ -1331,27 +1331,6 @@ def _sparse_meta(tile, ks_ptr, km_ptr, vs_ptr, vm_ptr, pos_ptr, R: gl.constexpr,
             value_meta = (gl.load(vs_ptr + base + v_offsets, mask=v_mask, other=0.0),
                           gl.load(vm_ptr + base + v_offsets, mask=v_mask, other=0.0))
     return key_meta, value_meta, pairs, gathered
-    k_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, KS))
-    k_offsets = gl.expand_dims(k_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, KS)), 0)
-    k_mask = gl.expand_dims(k_rows < R, 1)
-    if SCALED:  # [NG, RP]
-        v_rows = gl.arange(0, RP, layout=gl.SliceLayout(0, VS))
-        v_offsets = gl.expand_dims(v_rows, 0) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(1, VS)), 1)
-        v_mask = gl.expand_dims(v_rows < R, 0)
-    else:
-        v_rows = gl.arange(0, RP, layout=gl.SliceLayout(1, VS))
-        v_offsets = gl.expand_dims(v_rows, 1) * NG + gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, VS)), 0)
-        v_mask = gl.expand_dims(v_rows < R, 1)
-    base = tile * (R * NG)
-    if ROWS == NVFP4:
-        key_meta = (gl.load(ks_ptr + base + k_offsets, mask=k_mask, other=0), gl.load(km_ptr + tile) * NVFP4_UNIT)
-        value_meta = (gl.load(vs_ptr + base + v_offsets, mask=v_mask, other=0), gl.load(vm_ptr + tile) * NVFP4_UNIT)
-    else:
-        key_meta = (gl.load(ks_ptr + base + k_offsets, mask=k_mask, other=0.0),
-                    gl.load(km_ptr + base + k_offsets, mask=k_mask, other=0.0))
-        value_meta = (gl.load(vs_ptr + base + v_offsets, mask=v_mask, other=0.0),
-                      gl.load(vm_ptr + base + v_offsets, mask=v_mask, other=0.0))
-    return key_meta, value_meta, pairs, gathered
 
 
 @gluon.jit
