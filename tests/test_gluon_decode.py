@@ -577,6 +577,30 @@ def test_gluon_kernel_reads_only_what_it_supports():
     assert "at most 8" in unsupported_reason(formats[:1], chain.head_dim, 64, 16)
 
 
+def test_gluon_kernel_reads_sparse_rows_of_one_format():
+    """Sparse rows: INT4 grouped like the dense values (after INT4 or NVFP4 streams, not after int4_rotated ones,
+    whose basis differs), or the dense streams' own format and grouping; both sparse loops alike."""
+    from jflashloop_triton_kernels.decode_attention import unsupported_reason
+
+    base = small_config(num_loops=4, page_size=64, head_dim=128)
+    int4_rows = (jflashloop.CodecSpec("int4", "token", 16),) * 2
+    nvfp4 = (jflashloop.NVFP4,) * 2
+    rotated = (jflashloop.int4_rotated(128, 3), jflashloop.int4_rotated(128, 4))
+
+    def reason(dense, rows, last_rows=None):
+        config = _format_chain(base, dense, rows)
+        if last_rows is not None:
+            last = dataclasses.replace(config.loops[3], key_spec=last_rows[0], value_spec=last_rows[1])
+            config = dataclasses.replace(config, loops=(*config.loops[:3], last))
+        return unsupported_reason(loop_formats(config, 3), 128, 64, 4)
+
+    assert reason(nvfp4, nvfp4) is None and reason(nvfp4, int4_rows) is None and reason(rotated, rotated) is None
+    assert "one format" in reason(nvfp4, (jflashloop.CodecSpec("int4", "token", 64),) * 2)  # not the values' groups
+    assert "one format" in reason(rotated, (jflashloop.CodecSpec("int4", "token", 128),) * 2)  # another basis
+    assert "one format" in reason(nvfp4, nvfp4, last_rows=int4_rows)  # loops 3 and 4 differ
+    assert "one format" in reason(nvfp4, (jflashloop.NVFP4, jflashloop.CodecSpec("int4", "token", 16)))
+
+
 @pytest.mark.parametrize("group, merge, splits, registers", [
     (4, "kernel", 3, None), (3, "kernel", 3, None), (3, "gluon", 3, None), (1, "gluon", 3, None),
     (3, "xla", 3, None),
