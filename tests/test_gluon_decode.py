@@ -645,6 +645,9 @@ def test_default_merge_by_partials():
     assert preferred_merge(GLUON_MERGE_SLOTS + 1, in_kernel=False) == "gluon"
     assert preferred_merge(GLUON_MERGE_SLOTS + 1, in_kernel=True, row_blocks=2) == "xla"
     assert preferred_merge(2, in_kernel=True, row_blocks=2) == "xla"
+    for sizes in (dict(slots=0), dict(slots=40, row_blocks=0)):
+        with pytest.raises(ValueError, match="positive sizes"):
+            preferred_merge(**sizes, in_kernel=True)
 
 
 def test_emulation_refuses_unknown_inline_ptx():

@@ -107,7 +107,13 @@ def preferred_merge(slots: int, *, in_kernel: bool, row_blocks: int = 1) -> str:
     """The merge of ``slots`` partials a (sequence, KV head) when the caller names none: ``"kernel"`` where
     the page kernel can merge (``in_kernel``: pipelined, windows fused, not partials only; one block of 8
     rows) and there are at most :data:`KERNEL_MERGE_SLOTS`; the Gluon merge kernel beyond
-    :data:`GLUON_MERGE_SLOTS` (one block of rows); else ``"xla"``."""
+    :data:`GLUON_MERGE_SLOTS` (one block of rows); else ``"xla"``.
+
+    Raises:
+      ValueError: ``slots`` or ``row_blocks`` below 1.
+    """
+    if slots < 1 or row_blocks < 1:
+        raise ValueError(f"preferred_merge needs positive sizes, got slots={slots}, row_blocks={row_blocks}")
     if row_blocks == 1 and in_kernel and slots <= KERNEL_MERGE_SLOTS:
         return "kernel"
     if row_blocks == 1 and slots > GLUON_MERGE_SLOTS:
