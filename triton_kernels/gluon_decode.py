@@ -1424,8 +1424,10 @@ def _add_sparse_values(acc, mins, weights, vw_s, stage, meta, c, RP: gl.constexp
         p_rows = gl.convert_layout(p_rows, B_OP, assert_trivial=True)
         values = gl.convert_layout(values, A_OP, assert_trivial=True)
     if ROWS == NVFP4:
-        return acc + unit * mma_v2(values, p_rows, gl.zeros_like(acc)), mins
-    return mma_v2(values, p_rows, acc), mins
+        acc = acc + unit * mma_v2(values, p_rows, gl.zeros_like(acc))
+    else:
+        acc = mma_v2(values, p_rows, acc)
+    return acc, mins
 
 
 @gluon.jit
