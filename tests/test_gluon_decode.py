@@ -83,6 +83,15 @@ def gluon_attention(queries, cache, layer, *, include_pending=False, splits=None
     return unrotated_output(output, value_seed)
 
 
+def assert_loops_match_reference(queries, cache, layer, loops):
+    """The Gluon kernel's output for each of ``loops`` (pending tokens included) within TOLERANCE of the
+    reference path's, per sequence."""
+    for loop in loops:
+        expected = jflashloop.decode_attention_reference(queries, cache, layer, loop, include_pending=True)
+        actual = gluon_attention(queries, cache, layer, include_pending=True, loop=loop)
+        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+
+
 def test_lazy_rescaling_matches_the_reference(rng):
     """Rescaling only when a row's maximum grows by more than 2**8 gives the reference's result (sharp
     queries over many 16-token pages: the running maximum moves often, by small and large steps)."""
@@ -460,10 +469,7 @@ def test_gluon_kernel_dense_residual_chain(rng, page_size):
     config = small_config(num_loops=2, page_size=page_size, head_dim=64, max_pages_per_sequence=40, num_pages=128)
     cache, _ = build(rng, config, prompt_lengths=[5 * page_size + 9, 3, 2 * page_size], steps=2)
     queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
-    for loop in (0, 1):
-        expected = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=True)
-        actual = gluon_attention(queries, cache, 1, include_pending=True, loop=loop)
-        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+    assert_loops_match_reference(queries, cache, 1, (0, 1))
 
 
 @pytest.mark.parametrize("head_dim, page_size, loops", [(128, 64, 1), (64, 16, 2), *gpu_only((256, 32, 1))])
@@ -475,10 +481,7 @@ def test_gluon_kernel_nvfp4(rng, head_dim, page_size, loops):
     config = dataclasses.replace(base, loops=tuple(LoopStorage(nvfp4, nvfp4) for _ in range(loops)))
     cache, _ = build(rng, config, prompt_lengths=[4 * page_size + 5, 9, 2 * page_size], steps=2)
     queries = jnp.asarray(rng.standard_normal((3, 8, head_dim)), jnp.float32)
-    for loop in range(loops):
-        expected = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=True)
-        actual = gluon_attention(queries, cache, 0, include_pending=True, loop=loop)
-        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+    assert_loops_match_reference(queries, cache, 0, range(loops))
 
 
 @pytest.mark.parametrize("head_dim, loops", [(128, 1), (64, 2)])
@@ -489,10 +492,7 @@ def test_gluon_kernel_int4_rotated(rng, head_dim, loops):
     config = dataclasses.replace(base, loops=tuple(LoopStorage(keys, values) for _ in range(loops)))
     cache, _ = build(rng, config, prompt_lengths=[5 * 32 + 7, 12, 64], steps=2)
     queries = jnp.asarray(rng.standard_normal((3, 8, head_dim)), jnp.float32)
-    for loop in range(loops):
-        expected = jflashloop.decode_attention_reference(queries, cache, 0, loop, include_pending=True)
-        actual = gluon_attention(queries, cache, 0, include_pending=True, loop=loop)
-        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+    assert_loops_match_reference(queries, cache, 0, range(loops))
 
 
 @pytest.mark.parametrize("page_size", [64, *gpu_only(16)])
@@ -501,10 +501,7 @@ def test_gluon_kernel_full_flashloop_chain(rng, page_size):
     config = small_config(num_loops=4, page_size=page_size, head_dim=64, max_pages_per_sequence=40, num_pages=128)
     cache, _ = build(rng, config, prompt_lengths=[5 * page_size + 9, 3, 2 * page_size], steps=2)
     queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
-    for loop in (2, 3):
-        expected = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=True)
-        actual = gluon_attention(queries, cache, 1, include_pending=True, loop=loop)
-        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+    assert_loops_match_reference(queries, cache, 1, (2, 3))
 
 
 def _format_chain(base, dense, rows=None):
@@ -530,10 +527,7 @@ def test_gluon_kernel_sparse_rows_of_each_format(rng, format, rows, direct):
     config = _format_chain(base, codecs[format], codecs[rows])
     cache, _ = build(rng, config, prompt_lengths=[5 * 64 + 9, 3, 2 * 64], steps=2)
     queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
-    for loop in (2, 3):
-        expected = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=True)
-        actual = gluon_attention(queries, cache, 1, include_pending=True, loop=loop)
-        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+    assert_loops_match_reference(queries, cache, 1, (2, 3))
 
 
 def test_gluon_kernel_chain_after_a_direct_loop(rng):
@@ -543,10 +537,7 @@ def test_gluon_kernel_chain_after_a_direct_loop(rng):
                           direct_loop=True)
     cache, _ = build(rng, config, prompt_lengths=[5 * 64 + 9, 3, 2 * 64], steps=2)
     queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
-    for loop in (1, 3):
-        expected = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=True)
-        actual = gluon_attention(queries, cache, 1, include_pending=True, loop=loop)
-        assert (relative_errors(actual, expected) < TOLERANCE).all(), (loop, relative_errors(actual, expected))
+    assert_loops_match_reference(queries, cache, 1, (1, 3))
 
 
 @pytest.mark.gpu
