@@ -12,6 +12,7 @@ and static shared memory ptxas reports.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import re
@@ -165,3 +166,35 @@ def ptxas_resources(ptx: str, arch: str) -> dict[str, int]:
 
     return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
             "spill_loads": number(r"(\d+) bytes spill loads"), "shared": number(r"(\d+) bytes smem")}
+
+
+def loop_instructions(cubin: bytes) -> collections.Counter:
+    """The SASS opcodes of the longest loop of a compiled kernel (``CompiledKernel.asm["cubin"]``), counted
+    once each as they appear in the loop's body (static counts: one iteration of a page loop).
+
+    The loop is the longest stretch from a backward branch's target to the branch (triton's own
+    ``cuobjdump``); opcodes drop their modifiers (``IMAD.SHL.U32`` counts as ``IMAD``) and predicates.
+
+    Raises:
+      ValueError: the kernel has no loop.
+    """
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as handle:
+            handle.write(cubin)
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    lines = [(int(m.group(1), 16), m.group(2).strip())
+             for m in (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
+    index = {address: i for i, (address, _) in enumerate(lines)}
+    body: list[str] = []
+    for i, (address, text) in enumerate(lines):
+        branch = re.search(r"\bBRA (?:!?U?P\w+, )?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address and int(branch.group(1), 16) in index:
+            loop = [t for _, t in lines[index[int(branch.group(1), 16)]: i + 1]]
+            body = loop if len(loop) > len(body) else body
+    if not body:
+        raise ValueError("the kernel has no loop")
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for text in body)
