@@ -215,19 +215,20 @@ def test_persistent_programs_keep_eight_warps_per_sm():
 # Page-loop instructions of the default kernels (triton 3.6, sm_90a; bench/KERNEL_NOTES.md, "Where NVFP4's chain
 # spends its instructions"), each with about 3% of headroom: a change that makes the decode or the softmax longer
 # fails here before it costs time on a GPU.
-LOOP_BUDGETS = {("int4", 1): 1160, ("nvfp4", 1): 1510, ("int4", 2): 2015, ("nvfp4", 2): 2745}
+LOOP_BUDGETS = {("int4", 1): 1160, ("nvfp4", 1): 1510, ("int4", 2): 2015, ("nvfp4", 2): 2625}
 
 
 @pytest.mark.parametrize("format, streams", sorted(LOOP_BUDGETS))
 def test_page_loop_stays_within_its_instruction_budget(format, streams):
     """The page loop of one stream (two stages) and of a dense chain (one staggered stage), GQA group 4:
-    machine instructions within the budget, its products on the tensor cores (``HMMA``), no local memory."""
+    machine instructions within the budget, its products on the tensor cores (``HMMA``: at least 64 for a
+    page's keys and 32 for its values), no local memory."""
     options = dict(stages=2) if streams == 1 else dict(stages=1, stagger=True)
     compiled = compile_check.compile_pages_kernel(format=format, value_group=16 if format == "nvfp4" else 64,
                                                   streams=streams, group=4, **options)
     mix = compile_check.loop_instructions(compiled.asm["cubin"])
     assert sum(mix.values()) <= LOOP_BUDGETS[format, streams], mix.most_common(8)
-    assert mix["HMMA"] >= 64 * streams and mix["LDL"] == mix["STL"] == 0, mix.most_common(8)
+    assert mix["HMMA"] >= 96 and mix["LDL"] == mix["STL"] == 0, mix.most_common(8)
 
 
 def test_loop_instructions_needs_a_loop():

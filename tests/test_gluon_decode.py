@@ -484,6 +484,34 @@ def test_gluon_kernel_nvfp4(rng, head_dim, page_size, loops):
     assert_loops_match_reference(queries, cache, 0, range(loops))
 
 
+def _scaled_tiles(stream, factors):
+    """``stream`` (a PagedStream) with its tiles' float32 scales times ``factors`` ``[kv_heads, pages]``."""
+    return dataclasses.replace(stream, global_scale=stream.global_scale * jnp.asarray(factors, jnp.float32))
+
+
+@pytest.mark.parametrize("base_factor, residual_factor", [(0.0, 1.0), (1.0, 1000.0), (1e-3, 1.0)])
+def test_gluon_kernel_nvfp4_pair_of_tile_scales(rng, base_factor, residual_factor):
+    """Two dense NVFP4 streams share one product per page, each tile's scale over the pair's entering its
+    E4M3 scales as a multiplier: pages whose base tile is zero, or whose residual tile's scale is far above
+    the base's (beyond the 128x where the base's multiplier stays 256), match the reference path."""
+    base = small_config(num_loops=2, head_dim=64, page_size=16, max_pages_per_sequence=40, num_pages=128)
+    nvfp4 = jflashloop.NVFP4
+    config = dataclasses.replace(base, loops=(LoopStorage(nvfp4, nvfp4),) * 2)
+    cache, _ = build(rng, config, prompt_lengths=[4 * 16 + 5, 9, 2 * 16], steps=2)
+    pool = cache.layers[0]
+    shape = pool.loops[0].keys.global_scale.shape  # [kv_heads, pages]
+    changed = (np.arange(shape[1]) % 2 == 0)[None, :] & (np.arange(shape[0]) == 0)[:, None]  # head 0, even pages
+    first = np.where(changed, base_factor, 1.0)
+    second = np.where(changed, residual_factor, 1.0)
+    loops = (dataclasses.replace(pool.loops[0], keys=_scaled_tiles(pool.loops[0].keys, first),
+                                 values=_scaled_tiles(pool.loops[0].values, first)),
+             dataclasses.replace(pool.loops[1], keys=_scaled_tiles(pool.loops[1].keys, second),
+                                 values=_scaled_tiles(pool.loops[1].values, second)))
+    cache = dataclasses.replace(cache, layers=(dataclasses.replace(pool, loops=loops), *cache.layers[1:]))
+    queries = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    assert_loops_match_reference(queries, cache, 0, (1,))
+
+
 @pytest.mark.parametrize("head_dim, loops", [(128, 1), (64, 2)])
 def test_gluon_kernel_int4_rotated(rng, head_dim, loops):
     """vLLM-style rotated INT4 (queries and windows rotated outside, the output unrotated)."""

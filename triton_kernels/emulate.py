@@ -190,6 +190,22 @@ def _e2m1_value_pairs(even, odd, s_even, s_odd):
     return tuple(out)
 
 
+def _e2m1_sum(first, values, scale):  # first + e2m1 * scale / 2**14, one float16 rounding (fma.rn.f16x2)
+    return (np.asarray(first, np.float64) + values * 2.0**-14 * np.asarray(scale, np.float64)).astype(np.float16)
+
+
+def _e2m1_key_pair(words, scale, words2, scale2):
+    return tuple(_t(_e2m1_sum(_e2m1_scaled(a, scale), b, scale2)) for a, b in zip(_e2m1(words), _e2m1(words2),
+                                                                                   strict=True))
+
+
+def _e2m1_value_pair_sum(even, odd, even2, odd2, s_even, s_odd, s_even2, s_odd2):
+    out = []
+    for e, o, e2, o2 in zip(_e2m1(even), _e2m1(odd), _e2m1(even2), _e2m1(odd2), strict=True):
+        out += [_t(_e2m1_sum(_e2m1_scaled(e, s_even), e2, s_even2)), _t(_e2m1_sum(_e2m1_scaled(o, s_odd), o2, s_odd2))]
+    return tuple(out)
+
+
 def _e2m1_value_codes(even, odd):  # e2m1 / 2**14 (exact in float16)
     return _e2m1_value_pairs(even, odd, np.float16(1), np.float16(1))
 
@@ -239,8 +255,10 @@ def _asm_table():
         gluon_decode._VALUE_PAIR_ASM_V2.value: _value_pairs,
         gluon_decode._VALUE_CODES_ASM.value: _value_codes,
         gluon_decode._E2M1_KEY_ASM.value: _e2m1_keys,
-        gluon_decode._E4M3_PAIR_ASM.value: _e4m3_float16,
+        gluon_decode._E4M3_PAIR_ASM.value: lambda bits: _e4m3_float16(bits) / np.float16(256),  # exact
         gluon_decode._E2M1_VALUE_PAIR_ASM.value: _e2m1_value_pairs,
+        gluon_decode._E2M1_VALUE_PAIR_SUM_ASM.value: _e2m1_value_pair_sum,
+        gluon_decode._E2M1_KEY_PAIR_ASM.value: _e2m1_key_pair,
         gluon_decode._E2M1_VALUE_CODES_ASM.value: _e2m1_value_codes,
     }
 

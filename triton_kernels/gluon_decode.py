@@ -503,16 +503,26 @@ and.b32 a, a, 0x0E0E0E0E;
 lop3.b32 h, a, b, 0x80808080, 0xF8;"""
 
 
-def _e2m1_placed(nibbles: list[tuple[int, int]], scales: bool = True) -> list[str]:
+def _e2m1_placed(nibbles: list[tuple[int, int]], scales: bool = True, scale: str = "l", store=None,
+                 onto=None) -> list[str]:
     """``_E2M1_BYTES`` made (``u``: bytes' even nibbles, ``h``: odd ones) -> float16 pairs (x the scales
-    ``l`` with ``scales``): ``(output low, output high)`` for the pair of bytes 0 and 2, then of bytes 1
-    and 3, of ``u`` then of ``h``."""
+    ``scale`` with ``scales``): ``(output low, output high)`` for the pair of bytes 0 and 2, then of bytes 1
+    and 3, of ``u`` then of ``h``. ``store``: four registers that take the pairs instead of the outputs;
+    ``onto``: four registers of pairs each product is added to (one ``fma``)."""
     lines = []
-    for (low, high), (source, selector) in zip(nibbles, [("u", "0x2404"), ("u", "0x3414"), ("h", "0x2404"),
-                                                          ("h", "0x3414")], strict=True):
-        lines += [f"prmt.b32 a, {source}, z, {selector};", *(["mul.rn.f16x2 a, a, l;"] if scales else []),
-                  f"mov.b32 {{${low}, ${high}}}, a;"]
+    for i, ((low, high), (source, selector)) in enumerate(zip(nibbles, [("u", "0x2404"), ("u", "0x3414"),
+                                                                         ("h", "0x2404"), ("h", "0x3414")],
+                                                              strict=True)):
+        lines.append(f"prmt.b32 a, {source}, z, {selector};")
+        if onto is not None:
+            lines.append(f"fma.rn.f16x2 a, a, {scale}, {onto[i]};")
+        elif scales:
+            lines.append(f"mul.rn.f16x2 a, a, {scale};")
+        lines.append(f"mov.b32 {store[i]}, a;" if store is not None else f"mov.b32 {{${low}, ${high}}}, a;")
     return lines
+
+
+_KEY_NIBBLES = [(0, 4), (2, 6), (1, 5), (3, 7)]  # u: nibbles 0, 2, 4, 6 (bytes 0-3); h: 1, 3, 5, 7
 
 
 def _e2m1_key_asm() -> str:
@@ -520,10 +530,24 @@ def _e2m1_key_asm() -> str:
     codes)."""
     lines = ["{", ".reg .b32 u, h, a, b, l, z;", "mov.b32 l, {$9, $9};", "mov.b32 z, 0;",
              _E2M1_BYTES.format(src="$8")]
-    # u: nibbles 0, 2, 4, 6 (bytes 0-3); h: 1, 3, 5, 7
-    lines += _e2m1_placed([(0, 4), (2, 6), (1, 5), (3, 7)])
+    lines += _e2m1_placed(_KEY_NIBBLES)
     lines.append("}")
     return "\n".join(lines)
+
+
+def _e2m1_key_pair_asm() -> str:
+    """Two streams' words and E4M3 scales (float16: ``$8``, ``$9`` and ``$10``, ``$11``) -> 8 float16
+    ``e2m1 * scale / 2**14`` of the first plus those of the second (one ``fma`` each)."""
+    held = ["p0", "p1", "p2", "p3"]
+    lines = ["{", ".reg .b32 u, h, a, b, l, m, z, p0, p1, p2, p3;", "mov.b32 l, {$9, $9};", "mov.b32 m, {$11, $11};",
+             "mov.b32 z, 0;", _E2M1_BYTES.format(src="$8"), *_e2m1_placed(_KEY_NIBBLES, store=held),
+             _E2M1_BYTES.format(src="$10"), *_e2m1_placed(_KEY_NIBBLES, scale="m", onto=held), "}"]
+    return "\n".join(lines)
+
+
+def _value_nibbles(first: int) -> list[tuple[int, int]]:
+    """The output pairs of nibbles ``first .. first + 3`` of two tokens (even, odd), in ``_e2m1_placed``'s order."""
+    return [(2 * (first + i), 2 * (first + i) + 1) for i in (0, 2, 1, 3)]
 
 
 def _e2m1_value_pair_asm(scales: bool = True) -> str:
@@ -533,13 +557,32 @@ def _e2m1_value_pair_asm(scales: bool = True) -> str:
              "mov.b32 z, 0;", "prmt.b32 x, $16, $17, 0x5410;", "prmt.b32 y, $16, $17, 0x7632;"]
     for first, source in ((0, "x"), (4, "y")):  # x: nibbles 0-3 of each token (even at bits 0-15), y: 4-7
         lines.append(_E2M1_BYTES.format(src=source))
-        lines += _e2m1_placed([(2 * (first + i), 2 * (first + i) + 1) for i in (0, 2, 1, 3)], scales)
+        lines += _e2m1_placed(_value_nibbles(first), scales)
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _e2m1_value_pair_sum_asm() -> str:
+    """Two streams' words of two tokens (``$16``, ``$17`` and ``$18``, ``$19``) and their E4M3 scales (``$20``,
+    ``$21`` and ``$22``, ``$23``) -> 8 float16 pairs, the first stream's ``e2m1 * scale / 2**14`` plus the
+    second's (one ``fma`` each)."""
+    lines = ["{", ".reg .b32 x, y, u, h, a, b, l, m, z, " + ", ".join(f"p{i}" for i in range(8)) + ";",
+             "mov.b32 l, {$20, $21};", "mov.b32 m, {$22, $23};", "mov.b32 z, 0;"]
+    for even, odd, scale, second in (("$16", "$17", "l", False), ("$18", "$19", "m", True)):
+        lines += [f"prmt.b32 x, {even}, {odd}, 0x5410;", f"prmt.b32 y, {even}, {odd}, 0x7632;"]
+        for k, (first, source) in enumerate(((0, "x"), (4, "y"))):
+            held = [f"p{4 * k + j}" for j in range(4)]
+            lines.append(_E2M1_BYTES.format(src=source))
+            lines += (_e2m1_placed(_value_nibbles(first), scale=scale, onto=held) if second
+                      else _e2m1_placed(_value_nibbles(first), scale=scale, store=held))
     lines.append("}")
     return "\n".join(lines)
 
 
 _E2M1_KEY_ASM = gl.constexpr(_e2m1_key_asm())
+_E2M1_KEY_PAIR_ASM = gl.constexpr(_e2m1_key_pair_asm())
 _E2M1_VALUE_PAIR_ASM = gl.constexpr(_e2m1_value_pair_asm())
+_E2M1_VALUE_PAIR_SUM_ASM = gl.constexpr(_e2m1_value_pair_sum_asm())
 _E2M1_VALUE_CODES_ASM = gl.constexpr(_e2m1_value_pair_asm(scales=False))
 INT4 = gl.constexpr(0)
 NVFP4 = gl.constexpr(1)
@@ -698,6 +741,13 @@ def _scale_groups(format: int, head_dim: int, value_group: int) -> int:
 def _staggered(stagger: bool, stages: int) -> bool:
     """Whether the page loop copies keys and values as two groups (one stage only)."""
     return bool(stagger) and stages == 1
+
+
+@gluon.constexpr_function
+def _paired_nvfp4(format: int, streams: int) -> bool:
+    """Whether the page loop adds two dense NVFP4 streams into one tile each for keys and values, for one
+    product each (:func:`_nvfp4_pair_terms`)."""
+    return format == 1 and streams == 2
 
 
 @gluon.constexpr_function
@@ -950,71 +1000,115 @@ def _value_tile_v2(tile, scale, minimum, PAGE: gl.constexpr, W: gl.constexpr, D:
 
 
 @gluon.jit
-def _e4m3_to_float16(bits):
-    """float16 values of E4M3 bit patterns (uint8, non-negative, not NaN; exact).
+def _e4m3_to_float16(bits, multiplier):
+    """float16 values of E4M3 bit patterns (uint8, non-negative, not NaN) times ``multiplier / 256``
+    (``multiplier`` 256.0: exact).
 
     The bits moved up by 7 are the float16 of ``value / 256`` (E4M3's bias is 8 below float16's;
-    E4M3 subnormals land on float16 subnormals), and x 256 is exact."""
+    E4M3 subnormals land on float16 subnormals), and x 256 is exact. Two dense NVFP4 streams pass
+    ``256 x`` the ratio of their tile scales (:func:`_nvfp4_pair_terms`)."""
     scaled = (bits.to(gl.int16) << 7).to(gl.float16, bitcast=True)
-    return scaled * gl.full_like(scaled, 256.0)
+    return scaled * multiplier
 
 
 # Two E4M3 scale bytes (one 16-bit register: a token's two neighbouring 16-channel blocks) -> their float16
-# pair: each byte to the low byte of its half (prmt), moved up by 7 (the float16 of value / 256, as
-# _e4m3_to_float16) and x 256 (exact): 3 instructions a pair.
+# pair over 256: each byte to the low byte of its half (prmt), moved up by 7 (the float16 of value / 256, as
+# _e4m3_to_float16); the multiplier follows as a float16 multiply: 3 instructions a pair.
 _E4M3_PAIR_ASM = gl.constexpr("""{
-.reg .b32 w, z, k;
+.reg .b32 w, z;
 mov.b32 z, 0;
-mov.b32 k, 0x5C005C00;
 cvt.u32.u16 w, $1;
 prmt.b32 w, w, z, 0x4140;
-shl.b32 w, w, 7;
-mul.rn.f16x2 $0, w, k;
+shl.b32 $0, w, 7;
 }""")
 
 
 @gluon.jit
-def _e4m3_pairs_to_float16(bits):
+def _e4m3_pairs_to_float16(bits, multiplier):
     """:func:`_e4m3_to_float16` of uint8 ``[..., 2n]`` whose threads hold neighbouring pairs along the last
     axis (loaded as one 16-bit word), by :data:`_E4M3_PAIR_ASM`."""
-    return gl.inline_asm_elementwise(_E4M3_PAIR_ASM, "=r,h", [bits], dtype=gl.float16, is_pure=True, pack=2)
+    pairs = gl.inline_asm_elementwise(_E4M3_PAIR_ASM, "=r,h", [bits], dtype=gl.float16, is_pure=True, pack=2)
+    return pairs * multiplier
+
+
+@gluon.jit
+def _nvfp4_key_words(words, scale_bytes, multiplier, PAGE: gl.constexpr, W: gl.constexpr):
+    """NVFP4 key words ``[PAGE, W]`` as ``[PAGE, W/2, 2]`` (a scale per two words: 16 channels) and their E4M3
+    scales as float16 ``[PAGE, W/2, 1]`` (:func:`_e4m3_pairs_to_float16`), for the key asm blocks."""
+    words = gl.reshape(words, [PAGE, W // 2, 2])
+    local = gl.convert_layout(_e4m3_pairs_to_float16(scale_bytes, multiplier), gl.SliceLayout(2, words.type.layout))
+    return words, gl.expand_dims(local, 2)
 
 
 @gluon.jit
 def _nvfp4_key_tile(words, scale_bytes, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
-                    B_LAYOUT: gl.constexpr):
+                    B_LAYOUT: gl.constexpr, multiplier=256.0):
     """NVFP4 key words ``[PAGE, W]`` and E4M3 scales ``[PAGE, D/16]`` -> ``e2m1 * scale / NVFP4_UNIT``
-    ``[D, PAGE]`` (float16, logical key order) in ``B_LAYOUT``."""
-    words = gl.reshape(words, [PAGE, W // 2, 2])  # a scale per two words (16 channels)
-    local = gl.convert_layout(_e4m3_pairs_to_float16(scale_bytes), gl.SliceLayout(2, words.type.layout))
+    ``[D, PAGE]`` (float16, logical key order) in ``B_LAYOUT`` (times ``multiplier / 256``:
+    :func:`_e4m3_to_float16`)."""
+    words, local = _nvfp4_key_words(words, scale_bytes, multiplier, PAGE, W)
     c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
-        _E2M1_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, gl.expand_dims(local, 2)],
-        dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-    x = _join8(gl.reshape(c0, [PAGE, W]), gl.reshape(c1, [PAGE, W]), gl.reshape(c2, [PAGE, W]),
-               gl.reshape(c3, [PAGE, W]), gl.reshape(c4, [PAGE, W]), gl.reshape(c5, [PAGE, W]),
-               gl.reshape(c6, [PAGE, W]), gl.reshape(c7, [PAGE, W]))
-    x = gl.reshape(x, [PAGE, 2, 2, W // 4, 2, 2, 2])
-    x = gl.permute(x, [3, 5, 4, 1, 2, 6, 0])
-    return gl.convert_layout(gl.reshape(x, [D, PAGE]), B_LAYOUT, assert_trivial=True)
+        _E2M1_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, local], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    return _planes_to_key_tile(gl.reshape(c0, [PAGE, W]), gl.reshape(c1, [PAGE, W]), gl.reshape(c2, [PAGE, W]),
+                               gl.reshape(c3, [PAGE, W]), gl.reshape(c4, [PAGE, W]), gl.reshape(c5, [PAGE, W]),
+                               gl.reshape(c6, [PAGE, W]), gl.reshape(c7, [PAGE, W]), PAGE, W, D, B_LAYOUT)
 
 
 @gluon.jit
-def _nvfp4_value_tile(tile, scale_bytes, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
-                      A_LAYOUT: gl.constexpr):
-    """NVFP4 value words ``[PAGE, W]`` and E4M3 scales ``[PAGE, D/16]`` -> ``V^T [D, PAGE]``
-    (``e2m1 * scale / NVFP4_UNIT``, float16) in ``A_LAYOUT``."""
+def _nvfp4_key_pair_tile(words, scale_bytes, multiplier, words2, scale_bytes2, multiplier2, PAGE: gl.constexpr,
+                         W: gl.constexpr, D: gl.constexpr, B_LAYOUT: gl.constexpr):
+    """Two NVFP4 key streams' tiles (:func:`_nvfp4_key_tile`, each with its multiplier) as one: the second's
+    values added to the first's in float16 (one rounding each, ``fma``), for one product."""
+    words, local = _nvfp4_key_words(words, scale_bytes, multiplier, PAGE, W)
+    words2, local2 = _nvfp4_key_words(words2, scale_bytes2, multiplier2, PAGE, W)
+    c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
+        _E2M1_KEY_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,r,h", [words, local, words2, local2],
+        dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    return _planes_to_key_tile(gl.reshape(c0, [PAGE, W]), gl.reshape(c1, [PAGE, W]), gl.reshape(c2, [PAGE, W]),
+                               gl.reshape(c3, [PAGE, W]), gl.reshape(c4, [PAGE, W]), gl.reshape(c5, [PAGE, W]),
+                               gl.reshape(c6, [PAGE, W]), gl.reshape(c7, [PAGE, W]), PAGE, W, D, B_LAYOUT)
+
+
+@gluon.jit
+def _nvfp4_value_words(tile, scale_bytes, multiplier, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr):
+    """NVFP4 value words ``[PAGE, W]`` and E4M3 scales ``[PAGE, D/16]`` as the value asm blocks take them:
+    ``(even, odd)`` tokens' words ``[PAGE/2, D/16, W/(D/16)]`` and their scales (float16, x ``multiplier /
+    256``) ``[PAGE/2, D/16, 1]``."""
     NG: gl.constexpr = D // 16
     even, odd = gl.split(gl.permute(gl.reshape(tile, [PAGE // 2, 2, W]), [0, 2, 1]))
-    local = _e4m3_to_float16(scale_bytes)
+    local = _e4m3_to_float16(scale_bytes, multiplier)
     s_even, s_odd = gl.split(gl.permute(gl.reshape(local, [PAGE // 2, 2, NG]), [0, 2, 1]))
     even = gl.reshape(even, [PAGE // 2, NG, W // NG])
     odd = gl.reshape(odd, [PAGE // 2, NG, W // NG])
     S2: gl.constexpr = gl.SliceLayout(2, even.type.layout)
     s_even = gl.expand_dims(gl.convert_layout(s_even, S2, assert_trivial=True), 2)
     s_odd = gl.expand_dims(gl.convert_layout(s_odd, S2, assert_trivial=True), 2)
+    return even, odd, s_even, s_odd
+
+
+@gluon.jit
+def _nvfp4_value_tile(tile, scale_bytes, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
+                      A_LAYOUT: gl.constexpr, multiplier=256.0):
+    """NVFP4 value words ``[PAGE, W]`` and E4M3 scales ``[PAGE, D/16]`` -> ``V^T [D, PAGE]``
+    (``e2m1 * scale / NVFP4_UNIT``, float16) in ``A_LAYOUT`` (times ``multiplier / 256``:
+    :func:`_e4m3_to_float16`)."""
+    even, odd, s_even, s_odd = _nvfp4_value_words(tile, scale_bytes, multiplier, PAGE, W, D)
     (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
         _E2M1_VALUE_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,h",
         [even, odd, s_even, s_odd], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    return _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7, PAGE, W, D, A_LAYOUT)
+
+
+@gluon.jit
+def _nvfp4_value_pair_tile(tile, scale_bytes, multiplier, tile2, scale_bytes2, multiplier2, PAGE: gl.constexpr,
+                           W: gl.constexpr, D: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """Two NVFP4 value streams' tiles (:func:`_nvfp4_value_tile`, each with its multiplier) as one: the
+    second's values added to the first's in float16 (one rounding each, ``fma``), for one product."""
+    even, odd, s_even, s_odd = _nvfp4_value_words(tile, scale_bytes, multiplier, PAGE, W, D)
+    even2, odd2, s_even2, s_odd2 = _nvfp4_value_words(tile2, scale_bytes2, multiplier2, PAGE, W, D)
+    (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
+        _E2M1_VALUE_PAIR_SUM_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,h,h,h,h",
+        [even, odd, even2, odd2, s_even, s_odd, s_even2, s_odd2], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
     return _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7, PAGE, W, D, A_LAYOUT)
 
 
@@ -1457,13 +1551,83 @@ def _add_key_scores(scores, query, terms, kw_s, ks_s, stage, c, zero_scores, PAG
         column_scale = row_scale.load(gl.SliceLayout(0, zero_scores.type.layout))
         scores = scores + _q_dot(query, keys, zero_scores) * gl.expand_dims(column_scale, 0)
     elif FORMAT == NVFP4:
-        SB: gl.constexpr = gl.SliceLayout(2, gl.reshape(words, [CHUNK, W // 2, 2]).type.layout)
-        scale_bytes = ks_s.index(stage).reshape([PAGE, D // 16]).slice(c * CHUNK, CHUNK, 0).load(SB)
-        keys = _nvfp4_key_tile(words, scale_bytes, CHUNK, W, D, B_OP)
+        keys = _nvfp4_key_tile(words, _nvfp4_chunk_key_scales(words, ks_s, stage, c, PAGE, CHUNK, W, D), CHUNK, W, D,
+                               B_OP)
         scores = scores + terms[0] * _q_dot(query, keys, zero_scores)
     else:
         scores = mma_v2(terms[0], _key_tile_v2(words, CHUNK, W, D, B_OP), scores)
     return scores
+
+
+@gluon.jit
+def _nvfp4_chunk_key_scales(words, ks_s, stage, c, PAGE: gl.constexpr, CHUNK: gl.constexpr, W: gl.constexpr,
+                            D: gl.constexpr):
+    """The E4M3 scale bytes ``[CHUNK, D/16]`` of chunk ``c`` of the page in ``stage`` (keys), in the layout
+    :func:`_nvfp4_key_tile` takes beside the chunk's ``words``."""
+    SB: gl.constexpr = gl.SliceLayout(2, gl.reshape(words, [CHUNK, W // 2, 2]).type.layout)
+    return ks_s.index(stage).reshape([PAGE, D // 16]).slice(c * CHUNK, CHUNK, 0).load(SB)
+
+
+@gluon.jit
+def _nvfp4_chunk_value_scales(vs_s, stage, c, PAGE: gl.constexpr, CHUNK: gl.constexpr, D: gl.constexpr):
+    """The E4M3 scale bytes ``[CHUNK, D/16]`` of chunk ``c`` of the page in ``stage`` (values), in the layout
+    :func:`_nvfp4_value_tile` takes."""
+    VB: gl.constexpr = _value_meta_layout(CHUNK, D // 16, D, 16)
+    return vs_s.index(stage).reshape([PAGE, D // 16]).slice(c * CHUNK, CHUNK, 0).load(VB)
+
+
+@gluon.jit
+def _common_scale(first, second):
+    """One float32 scale for two products of tiles with float32 scales ``first`` and ``second`` (>= 0):
+    ``(common, 256 first / common, 256 second / common)``, the two multipliers float16
+    (:func:`_e4m3_to_float16`). ``common = max(first, second / 128)``: the first multiplier is 256 exactly
+    where ``second <= 128 first`` (a residual's tile scale below its base's: the base's tile bits are then
+    those of its own product), the second at most ``256 x 128``; zero scales give zero multipliers."""
+    common = gl.maximum(gl.maximum(first, second * 0.0078125), 1.1754944e-38)
+    return common, (256.0 * (first / common)).to(gl.float16), (256.0 * (second / common)).to(gl.float16)
+
+
+@gluon.jit
+def _nvfp4_pair_terms(terms, terms2):
+    """Two dense NVFP4 streams' page terms (:func:`_page_terms`: float32 key and value tile scales x
+    ``NVFP4_UNIT``) -> ``(key scale, value scale, key multipliers, value multipliers)`` of the pair's
+    products (:func:`_common_scale`): each stream's tile scale over the pair's enters its tile as its
+    E4M3 scales' multiplier, so the two streams' tiles add into one float16 tile (the residual's values
+    times its scale added to the base's by one ``fma``: one float16 rounding of the sum, 2**-11 of it at
+    most) for one product with one float32 scale (:func:`_add_nvfp4_pair_scores`,
+    :func:`_add_nvfp4_pair_values`)."""
+    key_scale, key_first, key_second = _common_scale(terms[0], terms2[0])
+    value_scale, value_first, value_second = _common_scale(terms[1], terms2[1])
+    return key_scale, value_scale, (key_first, key_second), (value_first, value_second)
+
+
+@gluon.jit
+def _add_nvfp4_pair_scores(scores, query, pair, kw_s, ks_s, kw2_s, ks2_s, stage, c, zero_scores, PAGE: gl.constexpr,
+                           CHUNK: gl.constexpr, W: gl.constexpr, D: gl.constexpr, B_OP: gl.constexpr,
+                           KW: gl.constexpr):
+    """``scores [16, CHUNK]`` plus two dense NVFP4 key streams' ``q . k`` for chunk ``c`` of the page in
+    ``stage``: one tile of both (:func:`_nvfp4_key_pair_tile`), one product, the pair's key scale once
+    (:func:`_nvfp4_pair_terms`)."""
+    words = kw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW)
+    words2 = kw2_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW)
+    keys = _nvfp4_key_pair_tile(words, _nvfp4_chunk_key_scales(words, ks_s, stage, c, PAGE, CHUNK, W, D), pair[2][0],
+                                words2, _nvfp4_chunk_key_scales(words2, ks2_s, stage, c, PAGE, CHUNK, W, D),
+                                pair[2][1], CHUNK, W, D, B_OP)
+    return scores + pair[0] * _q_dot(query, keys, zero_scores)
+
+
+@gluon.jit
+def _add_nvfp4_pair_values(acc, p_t, pair, vw_s, vs_s, vw2_s, vs2_s, stage, c, PAGE: gl.constexpr,
+                           CHUNK: gl.constexpr, W: gl.constexpr, D: gl.constexpr, A_OP: gl.constexpr,
+                           VT: gl.constexpr):
+    """``acc [D, 8]`` plus two dense NVFP4 value streams' ``V^T . P^T`` for chunk ``c`` of the page in
+    ``stage``: one tile of both (:func:`_nvfp4_value_pair_tile`), one product, the pair's value scale once."""
+    words = vw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(VT)
+    words2 = vw2_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(VT)
+    values = _nvfp4_value_pair_tile(words, _nvfp4_chunk_value_scales(vs_s, stage, c, PAGE, CHUNK, D), pair[3][0],
+                                    words2, _nvfp4_chunk_value_scales(vs2_s, stage, c, PAGE, CHUNK, D), pair[3][1],
+                                    CHUNK, W, D, A_OP)
+    return acc + pair[1] * mma_v2(values, p_t, gl.zeros_like(acc))
 
 
 @gluon.jit
@@ -1518,14 +1682,14 @@ def _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE
             GL: gl.constexpr = gl.SliceLayout(1, gl.reshape(weights, [SG, 8 // SG, CHUNK]).type.layout)
             GT: gl.constexpr = _transposed(gl.to_linear_layout(GL, [SG, CHUNK]))
             scale_bytes = vs_s.index(stage).reshape([PAGE, SG]).slice(c * CHUNK, CHUNK, 0).load(GT)
-            scale = gl.convert_layout(gl.permute(_e4m3_to_float16(scale_bytes), [1, 0]), GL, assert_trivial=True)
+            scale = gl.convert_layout(gl.permute(_e4m3_to_float16(scale_bytes, 256.0), [1, 0]), GL,
+                                      assert_trivial=True)
             scaled = gl.reshape(_scaled_weights(weights, scale, SG, CHUNK), [8, CHUNK]).to(gl.float16)
             p_scaled = gl.convert_layout(gl.permute(scaled, [1, 0]), B_OP, assert_trivial=True)
             acc = acc + terms[1] * mma_v2(_e2m1_value_codes(words, CHUNK, W, D, A_OP), p_scaled, gl.zeros_like(acc))
         else:
-            VB: gl.constexpr = _value_meta_layout(CHUNK, SG, D, 16)
-            scale_bytes = vs_s.index(stage).reshape([PAGE, SG]).slice(c * CHUNK, CHUNK, 0).load(VB)
-            values = _nvfp4_value_tile(words, scale_bytes, CHUNK, W, D, A_OP)
+            values = _nvfp4_value_tile(words, _nvfp4_chunk_value_scales(vs_s, stage, c, PAGE, CHUNK, D), CHUNK, W, D,
+                                       A_OP)
             acc = acc + terms[1] * mma_v2(values, p_t, gl.zeros_like(acc))
     else:
         scale = vs_s.index(stage).reshape([PAGE, NG]).slice(c * CHUNK, CHUNK, 0).load(VS)
@@ -1879,6 +2043,7 @@ def int4_pages_kernel_v2(
     # Persistent programs (PERSIST): the items of the grid's (sequence, row program, slot) in turn, the next
     # item's block-table entry, length, activity and query loaded during this one (``n_*``, ``q_next``).
     STAGGERED: gl.constexpr = _staggered(STAGGER, STAGES)
+    PAIRED: gl.constexpr = _paired_nvfp4(FORMAT, STREAMS)
     gl.static_assert((PERSIST == 0) | ((not OVERLAP) & (not STAGGERED) & (STAGES == 2)),
                      "PERSIST runs the plain loop of two stages")
     ITEM_STEP: gl.constexpr = PERSIST if PERSIST > 0 else 1
@@ -2080,6 +2245,7 @@ def int4_pages_kernel_v2(
                         terms2 = tile_scales2
                         tile_scales2 = _page_terms(query, ks2_s, km2_s, km2_ptr, vm2_ptr, following, 0, zeros_b8,
                                                    zeros_c8, D, W, A_OP, B8, KM, FORMAT, PRECISE)
+                        pair = _nvfp4_pair_terms(terms, terms2)
                 current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
                 if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
                     meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SB3,
@@ -2109,9 +2275,13 @@ def int4_pages_kernel_v2(
                 else:
                     start = zero_scores
                 for c in gl.static_range(PAGE // CHUNK):
-                    both = _add_key_scores(start, query, terms, kw_s, ks_s, stage, c, zero_scores, PAGE, CHUNK, W, D, B_OP,
-                                           KW, FORMAT)
-                    if STREAMS == 2:
+                    if PAIRED:
+                        both = _add_nvfp4_pair_scores(start, query, pair, kw_s, ks_s, kw2_s, ks2_s, stage, c, zero_scores,
+                                                      PAGE, CHUNK, W, D, B_OP, KW)
+                    else:
+                        both = _add_key_scores(start, query, terms, kw_s, ks_s, stage, c, zero_scores, PAGE, CHUNK, W, D,
+                                               B_OP, KW, FORMAT)
+                    if (STREAMS == 2) and not PAIRED:
                         if FORMAT == INT4:
                             terms2 = (_scaled_query(query, ks2_s, stage, D, W, A_OP, KM, PRECISE), offset2)
                         both = _add_key_scores(both, query, terms2, kw2_s, ks2_s, stage, c, zero_scores, PAGE, CHUNK, W, D,
@@ -2139,11 +2309,15 @@ def int4_pages_kernel_v2(
                             else:
                                 async_copy.wait_group(0)
                     p_t = gl.convert_layout(gl.permute(weights.to(gl.float16), [1, 0]), B_OP, assert_trivial=True)
-                    acc, mins = _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W, D,
-                                            NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
-                    if STREAMS == 2:
-                        acc, mins = _add_values(acc, mins, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE, CHUNK,
-                                                W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
+                    if PAIRED and not SCALED:
+                        acc = _add_nvfp4_pair_values(acc, p_t, pair, vw_s, vs_s, vw2_s, vs2_s, stage, c, PAGE, CHUNK, W, D,
+                                                     A_OP, VT)
+                    else:
+                        acc, mins = _add_values(acc, mins, p_t, weights, terms, vw_s, vs_s, vm_s, stage, c, PAGE, CHUNK, W,
+                                                D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
+                        if STREAMS == 2:
+                            acc, mins = _add_values(acc, mins, p_t, weights, terms2, vw2_s, vs2_s, vm2_s, stage, c, PAGE,
+                                                    CHUNK, W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
                     if SPARSE >= 1:
                         acc, mins = _add_sparse_values(acc, mins, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG,
                                                        MMA, A_OP, B_OP, VT3, GB3, VA3, SCALED, ROWS_FORMAT)
