@@ -42,6 +42,13 @@ def _e4m3_scales(rng, n=N):
     return ((bits << 7).view(np.float16).astype(np.float64) * 256).astype(np.float16)
 
 
+def _ratio_scales(rng, n=N):
+    """E4M3 scales times a ratio of two tile scales in [2**-7, 2**7] (float16, rounded): the residual stream's
+    scales where two NVFP4 streams add into one tile (gluon_decode._nvfp4_pair_terms)."""
+    ratios = 2.0 ** rng.uniform(-7, 7, n)
+    return (_e4m3_scales(rng, n).astype(np.float64) * ratios).astype(np.float16)
+
+
 def _zero_points(rng, n=N):
     zp = rng.integers(0, 16, n)
     return (1024 + zp).astype(np.float16), (-64 - zp).astype(np.float16)
@@ -72,6 +79,10 @@ def _cases(rng):
         "_E2M1_KEY_ASM": (keys + ",h", [_words(rng), _e4m3_scales(rng)]),
         "_E2M1_VALUE_PAIR_ASM": (pair + ",h,h", [_words(rng), _words(rng), _e4m3_scales(rng), _e4m3_scales(rng)]),
         "_E2M1_VALUE_CODES_ASM": (pair, [_words(rng), _words(rng)]),
+        "_E2M1_KEY_PAIR_ASM": (keys + ",h,r,h", [_words(rng), _e4m3_scales(rng), _words(rng), _ratio_scales(rng)]),
+        "_E2M1_VALUE_PAIR_SUM_ASM": (pair + ",r,r,h,h,h,h", [_words(rng), _words(rng), _words(rng), _words(rng),
+                                                            _e4m3_scales(rng), _e4m3_scales(rng), _ratio_scales(rng),
+                                                            _ratio_scales(rng)]),
         "_ROTATED_KEY_ASM": (keys + ",h,h", [_words(rng), low, high]),
         "_ROTATED_VALUE_PAIR_ASM": (pair + ",h,h,h,h", [_words(rng), _words(rng), low, low_odd, high, high_odd]),
         "_ROW_KEY_ASM": (keys + ",h,h", [_words(rng), scale, minimum]),
