@@ -32,6 +32,7 @@ from jflashloop import (
 )
 from jflashloop_pallas_kernels import decode_attention as pallas_decode
 from jflashloop_pallas_kernels import nvfp4_pages
+from jflashloop_triton_kernels import compile_check
 from jflashloop_triton_kernels import decode_attention as gluon_decode
 from jflashloop_triton_kernels import launch as gluon_launch
 
@@ -268,6 +269,9 @@ BAD_INPUTS = [
      ValueError, "wave_fitted_splits needs positive sizes, got pairs=304, max_pages=520, splits=0"),
     ("decode_attention.preferred_merge: no partials", lambda: gluon_decode.preferred_merge(0, in_kernel=True),
      ValueError, "preferred_merge needs positive sizes, got slots=0, row_blocks=1"),
+    ("compile_check.loop_instructions: PTX text instead of a cubin",
+     lambda: compile_check.loop_instructions(b".version 8.4"), ValueError,
+     "loop_instructions needs a cubin \\(an ELF image: CompiledKernel.asm\\['cubin'\\]\\), got b'.ver'"),
     ("free: slot out of range", lambda: paged_cache.free(one_active_cache(), 2), IndexError, "slot must be in"),
     ("validate: a page held twice, counted once",
      lambda: paged_cache.validate(_corrupt(

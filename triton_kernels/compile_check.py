@@ -176,8 +176,11 @@ def loop_instructions(cubin: bytes) -> collections.Counter:
     ``cuobjdump``); opcodes drop their modifiers (``IMAD.SHL.U32`` counts as ``IMAD``) and predicates.
 
     Raises:
-      ValueError: the kernel has no loop.
+      ValueError: ``cubin`` is not a cubin (an ELF image), or the kernel has no loop.
     """
+    if not isinstance(cubin, (bytes, bytearray)) or not bytes(cubin[:4]) == b"\x7fELF":
+        head = bytes(cubin[:4]) if isinstance(cubin, (bytes, bytearray)) else type(cubin).__name__
+        raise ValueError(f"loop_instructions needs a cubin (an ELF image: CompiledKernel.asm['cubin']), got {head!r}")
     from triton.backends.nvidia.compiler import get_ptxas
 
     cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
