@@ -1,0 +1,118 @@
+"""Which 4.5-bit code would cut SmolLM2's attention error? (bench/QUALITY.md, "Codes at 4.5 bits")
+
+An offline probe (numpy, no cache) of two levers the per-layer allocation cannot reach with today's codecs:
+
+* **keys before RoPE**: each key group quantized before its rotary rotation and rotated after decoding (the
+  rotation mixes channel pairs at a frequency that varies with position, so a channel's values over a
+  64-token group spread; before it they keep each channel's own offset and range);
+* **non-uniform levels**: the 16 NormalFloat levels (QLoRA's NF4, denser near the centre) in place of 16
+  evenly spaced ones, either on a group's [min, max] (the affine metadata, 4.5 bits at groups of 64) or on
+  ``[-absmax, absmax]`` (one scale, 4.5 bits at groups of 32).
+
+Every code here quantizes K per channel over 64 tokens (32 for the absmax code) and V per token over 64 (32)
+channels, with float16 metadata, sink tokens 4 and a recent window of 64 tokens exact (the library's default
+windows); the uniform affine row is the library's INT4 G64 rule, and its library reconstruction is printed
+beside it as a check. Attention-output error as ``bench/token_rows_probe.py`` and ``jflashloop.apps.quality``:
+float64, the model's own queries at the last 32 of 512 positions, mean over query heads, then the mean and the
+worst of the 30 layers, on the allocation study's calibration and held-out texts.
+
+Usage: ``python bench/codec_probe.py`` (about a minute on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jflashloop import Policy
+from jflashloop.codecs import INT4_KEYS, INT4_VALUES
+from jflashloop.models import gguf_loader, llama
+from token_rows_probe import attention_errors, reconstructed
+
+TOKENS, SINKS, RECENT = 512, 4, 64
+NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                0.24611230194568634, 0.33791524171829224, 0.44070982098579407, 0.5626170039176941,
+                0.7229568362236023, 1.0])
+UNIFORM = np.linspace(-1.0, 1.0, 16)
+
+
+def nearest(x: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """Each element of ``x`` (in [-1, 1]) replaced by the nearest of ``levels`` (sorted)."""
+    cut = (levels[1:] + levels[:-1]) / 2
+    return levels[np.searchsorted(cut, x)]
+
+
+def grouped(x: np.ndarray, axis: int, size: int, code) -> np.ndarray:
+    """``code`` applied to groups of ``size`` along ``axis`` of ``x`` ``[layers, T, heads, D]`` (T and D
+    multiples of ``size``); ``code`` takes and returns ``[..., size]``."""
+    moved = np.moveaxis(x, axis, -1)
+    shape = moved.shape
+    out = code(moved.reshape(*shape[:-1], shape[-1] // size, size))
+    return np.moveaxis(out.reshape(shape), -1, axis)
+
+
+def affine(levels):
+    """A group's [min, max] (float16) mapped onto ``levels`` in [-1, 1]."""
+    def code(g):
+        low = g.min(-1, keepdims=True).astype(np.float16).astype(np.float32)
+        high = g.max(-1, keepdims=True).astype(np.float16).astype(np.float32)
+        half = np.maximum((high - low) / 2, 1e-30)
+        return low + (nearest(np.clip((g - low) / half - 1, -1, 1), levels) + 1) * half
+    return code
+
+
+def absmax(levels):
+    """``[-absmax, absmax]`` (float16) of a group mapped onto ``levels``."""
+    def code(g):
+        scale = np.maximum(np.abs(g).max(-1, keepdims=True).astype(np.float16).astype(np.float32), 1e-30)
+        return nearest(g / scale, levels) * scale
+    return code
+
+
+def rope(x: np.ndarray, sign: float, theta: float) -> np.ndarray:
+    """``x`` ``[layers, T, heads, D]`` rotated by its positions' rotary angles (``sign`` -1: undone)."""
+    cos, sin = (np.asarray(a, np.float64) for a in llama.rope_cos_sin(np.arange(x.shape[1]), x.shape[-1], theta))
+    first, second = np.split(x, 2, axis=-1)
+    rotated = np.concatenate([-second, first], axis=-1)
+    return (x * cos[None, :, None] + sign * rotated * sin[None, :, None]).astype(np.float32)
+
+
+def with_windows(exact: np.ndarray, approx: np.ndarray) -> np.ndarray:
+    out = approx.copy()
+    out[:, :SINKS] = exact[:, :SINKS]
+    out[:, -RECENT:] = exact[:, -RECENT:]
+    return out
+
+
+def variants(keys, values, theta):
+    """``(label, bits per element of the pages, keys_hat, values_hat)``."""
+    pre = rope(keys, -1.0, theta)  # the keys before their rotation
+    out = []
+    for label, bits, group, code in (("uniform, affine G64 (INT4 G64)", 4.5, 64, affine(UNIFORM)),
+                                     ("NF levels, affine G64", 4.5, 64, affine(NF4)),
+                                     ("NF4, absmax G32", 4.5, 32, absmax(NF4)),
+                                     ("uniform, affine G32 (INT4 G32)", 5.0, 32, affine(UNIFORM))):
+        values_hat = grouped(values, 3, group, code)
+        out.append((label, bits, grouped(keys, 1, group, code), values_hat))
+        out.append((label + ", keys before RoPE", bits, rope(grouped(pre, 1, group, code), 1.0, theta), values_hat))
+    return [(label, bits, with_windows(keys, k), with_windows(values, v)) for label, bits, k, v in out]
+
+
+def main() -> None:
+    params, config, tokenizer = gguf_loader.load_smollm2()
+    library = Policy("INT4 G64", INT4_KEYS, INT4_VALUES, SINKS, RECENT)
+    print("| text | code (K per channel over tokens, V per token over channels) | bits/elem (pages) "
+          "| mean attn-out err | worst layer |")
+    print("|---|---|---|---|---|")
+    for name in ("calibration_text.txt", "eval_text.txt"):
+        ids = tokenizer.encode(gguf_loader.read_data_text(name)).ids[:TOKENS]
+        keys, values, queries = (np.asarray(x, np.float32)
+                                 for x in llama.prefill(params, config, np.asarray(ids, np.int32))[1:])
+        rows = [("the library's INT4 G64 (check)", 4.5, *reconstructed(library, keys, values))]
+        for label, bits, k_hat, v_hat in rows + variants(keys, values, config.rope_theta):
+            errors = attention_errors(queries, keys, values, k_hat, v_hat)
+            print(f"| {name} | {label} | {bits} | {errors.mean():.4f} | {errors.max():.4f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
