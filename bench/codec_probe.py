@@ -22,11 +22,11 @@ Usage: ``python bench/codec_probe.py`` (about a minute on 2 CPU cores).
 from __future__ import annotations
 
 import numpy as np
+from token_rows_probe import attention_errors, reconstructed
 
 from jflashloop import Policy
 from jflashloop.codecs import INT4_KEYS, INT4_VALUES
 from jflashloop.models import gguf_loader, llama
-from token_rows_probe import attention_errors, reconstructed
 
 TOKENS, SINKS, RECENT = 512, 4, 64
 NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
