@@ -215,7 +215,7 @@ def test_persistent_programs_keep_eight_warps_per_sm():
 # Page-loop instructions of the default kernels (triton 3.6, sm_90a; bench/KERNEL_NOTES.md, "Where NVFP4's chain
 # spends its instructions"), each with about 3% of headroom: a change that makes the decode or the softmax longer
 # fails here before it costs time on a GPU.
-LOOP_BUDGETS = {("int4", 1): 1160, ("nvfp4", 1): 1510, ("int4", 2): 2015, ("nvfp4", 2): 2625}
+LOOP_BUDGETS = {("int4", 1): 1160, ("nvfp4", 1): 1510, ("int4", 2): 2015, ("nvfp4", 2): 2680}
 
 
 @pytest.mark.parametrize("format, streams", sorted(LOOP_BUDGETS))

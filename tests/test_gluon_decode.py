@@ -489,11 +489,12 @@ def _scaled_tiles(stream, factors):
     return dataclasses.replace(stream, global_scale=stream.global_scale * jnp.asarray(factors, jnp.float32))
 
 
-@pytest.mark.parametrize("base_factor, residual_factor", [(0.0, 1.0), (1.0, 1000.0), (1e-3, 1.0)])
+@pytest.mark.parametrize("base_factor, residual_factor", [(0.0, 1.0), (1.0, 10.0), (1.0, 1000.0), (1e-3, 1.0)])
 def test_gluon_kernel_nvfp4_pair_of_tile_scales(rng, base_factor, residual_factor):
-    """Two dense NVFP4 streams share one product per page, each tile's scale over the pair's entering its
-    E4M3 scales as a multiplier: pages whose base tile is zero, or whose residual tile's scale is far above
-    the base's (beyond the 128x where the base's multiplier stays 256), match the reference path."""
+    """Two dense NVFP4 streams share one key accumulator and one value tile per page, each tile's scale over the
+    larger of the two entering its E4M3 scales as a multiplier: pages whose base tile is zero, whose residual
+    tile's scale passes the base's (the residual then keeps its exact bits), or whose base is far below the
+    residual match the reference path."""
     base = small_config(num_loops=2, head_dim=64, page_size=16, max_pages_per_sequence=40, num_pages=128)
     nvfp4 = jflashloop.NVFP4
     config = dataclasses.replace(base, loops=(LoopStorage(nvfp4, nvfp4),) * 2)

@@ -194,11 +194,6 @@ def _e2m1_sum(first, values, scale):  # first + e2m1 * scale / 2**14, one float1
     return (np.asarray(first, np.float64) + values * 2.0**-14 * np.asarray(scale, np.float64)).astype(np.float16)
 
 
-def _e2m1_key_pair(words, scale, words2, scale2):
-    return tuple(_t(_e2m1_sum(_e2m1_scaled(a, scale), b, scale2)) for a, b in zip(_e2m1(words), _e2m1(words2),
-                                                                                   strict=True))
-
-
 def _e2m1_value_pair_sum(even, odd, even2, odd2, s_even, s_odd, s_even2, s_odd2):
     out = []
     for e, o, e2, o2 in zip(_e2m1(even), _e2m1(odd), _e2m1(even2), _e2m1(odd2), strict=True):
@@ -258,7 +253,6 @@ def _asm_table():
         gluon_decode._E4M3_PAIR_ASM.value: lambda bits: _e4m3_float16(bits) / np.float16(256),  # exact
         gluon_decode._E2M1_VALUE_PAIR_ASM.value: _e2m1_value_pairs,
         gluon_decode._E2M1_VALUE_PAIR_SUM_ASM.value: _e2m1_value_pair_sum,
-        gluon_decode._E2M1_KEY_PAIR_ASM.value: _e2m1_key_pair,
         gluon_decode._E2M1_VALUE_CODES_ASM.value: _e2m1_value_codes,
     }
 

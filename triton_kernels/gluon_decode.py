@@ -535,16 +535,6 @@ def _e2m1_key_asm() -> str:
     return "\n".join(lines)
 
 
-def _e2m1_key_pair_asm() -> str:
-    """Two streams' words and E4M3 scales (float16: ``$8``, ``$9`` and ``$10``, ``$11``) -> 8 float16
-    ``e2m1 * scale / 2**14`` of the first plus those of the second (one ``fma`` each)."""
-    held = ["p0", "p1", "p2", "p3"]
-    lines = ["{", ".reg .b32 u, h, a, b, l, m, z, p0, p1, p2, p3;", "mov.b32 l, {$9, $9};", "mov.b32 m, {$11, $11};",
-             "mov.b32 z, 0;", _E2M1_BYTES.format(src="$8"), *_e2m1_placed(_KEY_NIBBLES, store=held),
-             _E2M1_BYTES.format(src="$10"), *_e2m1_placed(_KEY_NIBBLES, scale="m", onto=held), "}"]
-    return "\n".join(lines)
-
-
 def _value_nibbles(first: int) -> list[tuple[int, int]]:
     """The output pairs of nibbles ``first .. first + 3`` of two tokens (even, odd), in ``_e2m1_placed``'s order."""
     return [(2 * (first + i), 2 * (first + i) + 1) for i in (0, 2, 1, 3)]
@@ -580,7 +570,6 @@ def _e2m1_value_pair_sum_asm() -> str:
 
 
 _E2M1_KEY_ASM = gl.constexpr(_e2m1_key_asm())
-_E2M1_KEY_PAIR_ASM = gl.constexpr(_e2m1_key_pair_asm())
 _E2M1_VALUE_PAIR_ASM = gl.constexpr(_e2m1_value_pair_asm())
 _E2M1_VALUE_PAIR_SUM_ASM = gl.constexpr(_e2m1_value_pair_sum_asm())
 _E2M1_VALUE_CODES_ASM = gl.constexpr(_e2m1_value_pair_asm(scales=False))
@@ -745,8 +734,8 @@ def _staggered(stagger: bool, stages: int) -> bool:
 
 @gluon.constexpr_function
 def _paired_nvfp4(format: int, streams: int) -> bool:
-    """Whether the page loop adds two dense NVFP4 streams into one tile each for keys and values, for one
-    product each (:func:`_nvfp4_pair_terms`)."""
+    """Whether the page loop reads two dense NVFP4 streams as one key accumulator and one value tile
+    (:func:`_nvfp4_pair_terms`)."""
     return format == 1 and streams == 2
 
 
@@ -1049,21 +1038,6 @@ def _nvfp4_key_tile(words, scale_bytes, PAGE: gl.constexpr, W: gl.constexpr, D: 
     words, local = _nvfp4_key_words(words, scale_bytes, multiplier, PAGE, W)
     c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
         _E2M1_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, local], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-    return _planes_to_key_tile(gl.reshape(c0, [PAGE, W]), gl.reshape(c1, [PAGE, W]), gl.reshape(c2, [PAGE, W]),
-                               gl.reshape(c3, [PAGE, W]), gl.reshape(c4, [PAGE, W]), gl.reshape(c5, [PAGE, W]),
-                               gl.reshape(c6, [PAGE, W]), gl.reshape(c7, [PAGE, W]), PAGE, W, D, B_LAYOUT)
-
-
-@gluon.jit
-def _nvfp4_key_pair_tile(words, scale_bytes, multiplier, words2, scale_bytes2, multiplier2, PAGE: gl.constexpr,
-                         W: gl.constexpr, D: gl.constexpr, B_LAYOUT: gl.constexpr):
-    """Two NVFP4 key streams' tiles (:func:`_nvfp4_key_tile`, each with its multiplier) as one: the second's
-    values added to the first's in float16 (one rounding each, ``fma``), for one product."""
-    words, local = _nvfp4_key_words(words, scale_bytes, multiplier, PAGE, W)
-    words2, local2 = _nvfp4_key_words(words2, scale_bytes2, multiplier2, PAGE, W)
-    c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
-        _E2M1_KEY_PAIR_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,r,h", [words, local, words2, local2],
-        dtype=(gl.float16,) * 8, is_pure=True, pack=1)
     return _planes_to_key_tile(gl.reshape(c0, [PAGE, W]), gl.reshape(c1, [PAGE, W]), gl.reshape(c2, [PAGE, W]),
                                gl.reshape(c3, [PAGE, W]), gl.reshape(c4, [PAGE, W]), gl.reshape(c5, [PAGE, W]),
                                gl.reshape(c6, [PAGE, W]), gl.reshape(c7, [PAGE, W]), PAGE, W, D, B_LAYOUT)
@@ -1578,24 +1552,21 @@ def _nvfp4_chunk_value_scales(vs_s, stage, c, PAGE: gl.constexpr, CHUNK: gl.cons
 
 @gluon.jit
 def _common_scale(first, second):
-    """One float32 scale for two products of tiles with float32 scales ``first`` and ``second`` (>= 0):
-    ``(common, 256 first / common, 256 second / common)``, the two multipliers float16
-    (:func:`_e4m3_to_float16`). ``common = max(first, second / 128)``: the first multiplier is 256 exactly
-    where ``second <= 128 first`` (a residual's tile scale below its base's: the base's tile bits are then
-    those of its own product), the second at most ``256 x 128``; zero scales give zero multipliers."""
-    common = gl.maximum(gl.maximum(first, second * 0.0078125), 1.1754944e-38)
+    """One float32 scale for two tiles with float32 scales ``first`` and ``second`` (>= 0): ``(common, 256 first /
+    common, 256 second / common)``, the two multipliers float16 (:func:`_e4m3_to_float16`). ``common`` is the
+    larger scale, so the larger tile keeps its exact bits (multiplier 256) and only the smaller one's scales are
+    rounded with their ratio (2**-11 of that tile at most); zero scales give zero multipliers."""
+    common = gl.maximum(gl.maximum(first, second), 1.1754944e-38)
     return common, (256.0 * (first / common)).to(gl.float16), (256.0 * (second / common)).to(gl.float16)
 
 
 @gluon.jit
 def _nvfp4_pair_terms(terms, terms2):
     """Two dense NVFP4 streams' page terms (:func:`_page_terms`: float32 key and value tile scales x
-    ``NVFP4_UNIT``) -> ``(key scale, value scale, key multipliers, value multipliers)`` of the pair's
-    products (:func:`_common_scale`): each stream's tile scale over the pair's enters its tile as its
-    E4M3 scales' multiplier, so the two streams' tiles add into one float16 tile (the residual's values
-    times its scale added to the base's by one ``fma``: one float16 rounding of the sum, 2**-11 of it at
-    most) for one product with one float32 scale (:func:`_add_nvfp4_pair_scores`,
-    :func:`_add_nvfp4_pair_values`)."""
+    ``NVFP4_UNIT``) -> ``(key scale, value scale, key multipliers, value multipliers)`` (:func:`_common_scale`):
+    each stream's tile scale over the pair's enters its tile as its E4M3 scales' multiplier, so the two key
+    products share one float32 accumulator and the two value tiles add into one float16 tile (one product), each
+    with one float32 scale (:func:`_add_nvfp4_pair_scores`, :func:`_add_nvfp4_pair_values`)."""
     key_scale, key_first, key_second = _common_scale(terms[0], terms2[0])
     value_scale, value_first, value_second = _common_scale(terms[1], terms2[1])
     return key_scale, value_scale, (key_first, key_second), (value_first, value_second)
@@ -1606,14 +1577,17 @@ def _add_nvfp4_pair_scores(scores, query, pair, kw_s, ks_s, kw2_s, ks2_s, stage,
                            CHUNK: gl.constexpr, W: gl.constexpr, D: gl.constexpr, B_OP: gl.constexpr,
                            KW: gl.constexpr):
     """``scores [16, CHUNK]`` plus two dense NVFP4 key streams' ``q . k`` for chunk ``c`` of the page in
-    ``stage``: one tile of both (:func:`_nvfp4_key_pair_tile`), one product, the pair's key scale once
-    (:func:`_nvfp4_pair_terms`)."""
+    ``stage``: both products in one float32 accumulator, the pair's key scale once (:func:`_nvfp4_pair_terms`).
+    The keys stay two tiles: each is exact in float16 (a 2-bit E2M1 value times a 4-bit E4M3 scale), their sum
+    would not be, and a key's rounding moves every score by its share of the logit."""
     words = kw_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW)
-    words2 = kw2_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW)
-    keys = _nvfp4_key_pair_tile(words, _nvfp4_chunk_key_scales(words, ks_s, stage, c, PAGE, CHUNK, W, D), pair[2][0],
-                                words2, _nvfp4_chunk_key_scales(words2, ks2_s, stage, c, PAGE, CHUNK, W, D),
-                                pair[2][1], CHUNK, W, D, B_OP)
-    return scores + pair[0] * _q_dot(query, keys, zero_scores)
+    keys = _nvfp4_key_tile(words, _nvfp4_chunk_key_scales(words, ks_s, stage, c, PAGE, CHUNK, W, D), CHUNK, W, D,
+                           B_OP, pair[2][0])
+    both = _q_dot(query, keys, zero_scores)
+    words = kw2_s.index(stage).slice(c * CHUNK, CHUNK, 0).load(KW)
+    keys = _nvfp4_key_tile(words, _nvfp4_chunk_key_scales(words, ks2_s, stage, c, PAGE, CHUNK, W, D), CHUNK, W, D,
+                           B_OP, pair[2][1])
+    return scores + pair[0] * _q_dot(query, keys, both)
 
 
 @gluon.jit
