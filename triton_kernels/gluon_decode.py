@@ -522,15 +522,13 @@ def _e2m1_placed(nibbles: list[tuple[int, int]], scales: bool = True, scale: str
     return lines
 
 
-_KEY_NIBBLES = [(0, 4), (2, 6), (1, 5), (3, 7)]  # u: nibbles 0, 2, 4, 6 (bytes 0-3); h: 1, 3, 5, 7
-
-
 def _e2m1_key_asm() -> str:
     """One word and its E4M3 scale (float16) -> 8 float16 ``e2m1 * scale / 2**14`` (nibble order of the key
     codes)."""
     lines = ["{", ".reg .b32 u, h, a, b, l, z;", "mov.b32 l, {$9, $9};", "mov.b32 z, 0;",
              _E2M1_BYTES.format(src="$8")]
-    lines += _e2m1_placed(_KEY_NIBBLES)
+    # u: nibbles 0, 2, 4, 6 (bytes 0-3); h: 1, 3, 5, 7
+    lines += _e2m1_placed([(0, 4), (2, 6), (1, 5), (3, 7)])
     lines.append("}")
     return "\n".join(lines)
 
@@ -1021,23 +1019,16 @@ def _e4m3_pairs_to_float16(bits, multiplier):
 
 
 @gluon.jit
-def _nvfp4_key_words(words, scale_bytes, multiplier, PAGE: gl.constexpr, W: gl.constexpr):
-    """NVFP4 key words ``[PAGE, W]`` as ``[PAGE, W/2, 2]`` (a scale per two words: 16 channels) and their E4M3
-    scales as float16 ``[PAGE, W/2, 1]`` (:func:`_e4m3_pairs_to_float16`), for the key asm blocks."""
-    words = gl.reshape(words, [PAGE, W // 2, 2])
-    local = gl.convert_layout(_e4m3_pairs_to_float16(scale_bytes, multiplier), gl.SliceLayout(2, words.type.layout))
-    return words, gl.expand_dims(local, 2)
-
-
-@gluon.jit
 def _nvfp4_key_tile(words, scale_bytes, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr,
                     B_LAYOUT: gl.constexpr, multiplier=256.0):
     """NVFP4 key words ``[PAGE, W]`` and E4M3 scales ``[PAGE, D/16]`` -> ``e2m1 * scale / NVFP4_UNIT``
     ``[D, PAGE]`` (float16, logical key order) in ``B_LAYOUT`` (times ``multiplier / 256``:
     :func:`_e4m3_to_float16`)."""
-    words, local = _nvfp4_key_words(words, scale_bytes, multiplier, PAGE, W)
+    words = gl.reshape(words, [PAGE, W // 2, 2])  # a scale per two words (16 channels)
+    local = gl.convert_layout(_e4m3_pairs_to_float16(scale_bytes, multiplier), gl.SliceLayout(2, words.type.layout))
     c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
-        _E2M1_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, local], dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        _E2M1_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, gl.expand_dims(local, 2)],
+        dtype=(gl.float16,) * 8, is_pure=True, pack=1)
     return _planes_to_key_tile(gl.reshape(c0, [PAGE, W]), gl.reshape(c1, [PAGE, W]), gl.reshape(c2, [PAGE, W]),
                                gl.reshape(c3, [PAGE, W]), gl.reshape(c4, [PAGE, W]), gl.reshape(c5, [PAGE, W]),
                                gl.reshape(c6, [PAGE, W]), gl.reshape(c7, [PAGE, W]), PAGE, W, D, B_LAYOUT)
