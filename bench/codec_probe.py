@@ -1,16 +1,19 @@
 """Which 4.5-bit code would cut SmolLM2's attention error? (bench/QUALITY.md, "Codes at 4.5 bits")
 
-An offline probe (numpy, no cache) of two levers the per-layer allocation cannot reach with today's codecs:
+An offline probe (numpy, no cache) of three levers the per-layer allocation cannot reach with today's codecs:
 
 * **keys before RoPE**: each key group quantized before its rotary rotation and rotated after decoding (the
   rotation mixes channel pairs at a frequency that varies with position, so a channel's values over a
   64-token group spread; before it they keep each channel's own offset and range);
 * **non-uniform levels**: the 16 NormalFloat levels (QLoRA's NF4, denser near the centre) in place of 16
   evenly spaced ones, either on a group's [min, max] (the affine metadata, 4.5 bits at groups of 64) or on
-  ``[-absmax, absmax]`` (one scale, 4.5 bits at groups of 32).
+  ``[-absmax, absmax]`` (one scale, 4.5 bits at groups of 32);
+* **8-bit metadata**: the affine code at groups of 32 with a byte for the scale (a log grid of 16 steps an octave,
+  from 16x the largest step of its tile down: a tile is a layer and KV head for keys, a layer and token for values)
+  and a byte for an integer zero point: 4.5 bits, as INT4 G64's float16 scale and minimum over twice the values.
 
-Every code here quantizes K per channel over 64 tokens (32 for the absmax code) and V per token over 64 (32)
-channels, with float16 metadata, sink tokens 4 and a recent window of 64 tokens exact (the library's default
+Every code here quantizes K per channel over 64 tokens (32 for the absmax and 8-bit-metadata codes) and V per
+token over 64 (32) channels, with float16 metadata (but the 8-bit code), sink tokens 4 and a recent window of 64 tokens exact (the library's default
 windows); the uniform affine row is the library's INT4 G64 rule, and its library reconstruction is printed
 beside it as a check. Attention-output error as ``bench/token_rows_probe.py`` and ``jflashloop.apps.quality``:
 float64, the model's own queries at the last 32 of 512 positions, mean over query heads, then the mean and the
@@ -61,6 +64,31 @@ def affine(levels):
     return code
 
 
+HEADROOM = 4  # octaves of the scale grid above a tile's largest step (byte_metadata)
+
+
+def byte_metadata(tile_axes: tuple[int, int], steps: float = 16.0, levels: int = 15):
+    """The affine code with 8-bit metadata: ``(q - z) * s`` for codes ``q`` in 0..``levels``, ``s`` the tile's
+    largest step (over ``tile_axes`` of the grouped array) times ``2 ** (HEADROOM - k / steps)`` for a byte ``k``,
+    ``z`` an int8 zero point; each group takes the smallest ``s`` on the grid whose levels cover its [min, max]."""
+    def code(g):
+        low = g.min(-1, keepdims=True).astype(np.float64)
+        high = g.max(-1, keepdims=True).astype(np.float64)
+        need = np.maximum(high - low, 1e-30) / levels
+        top = need.max(axis=tile_axes, keepdims=True) * 2.0 ** HEADROOM  # zero points past int8 take larger steps
+        k = np.floor(-np.log2(need / top) * steps + 1e-9).clip(0, 255)
+        for _ in range(256):
+            s = top * 2.0 ** (-k / steps)
+            z = np.clip(np.ceil(-low / s), -128, 127)
+            covered = (-z * s <= low) & ((levels - z) * s >= high)
+            if covered.all():
+                break
+            k = np.where(covered, k, np.maximum(k - 1, 0))
+        assert covered.all(), "no step on the grid covers a group"
+        return ((np.clip(np.rint(g / s + z), 0, levels) - z) * s).astype(np.float32)
+    return code
+
+
 def absmax(levels):
     """``[-absmax, absmax]`` (float16) of a group mapped onto ``levels``."""
     def code(g):
@@ -91,7 +119,8 @@ def variants(keys, values, theta):
     for label, bits, group, code in (("uniform, affine G64 (INT4 G64)", 4.5, 64, affine(UNIFORM)),
                                      ("NF levels, affine G64", 4.5, 64, affine(NF4)),
                                      ("NF4, absmax G32", 4.5, 32, absmax(NF4)),
-                                     ("uniform, affine G32 (INT4 G32)", 5.0, 32, affine(UNIFORM))):
+                                     ("uniform, affine G32 (INT4 G32)", 5.0, 32, affine(UNIFORM)),
+                                     ("uniform, affine G32, 8-bit metadata", 4.5, 32, byte_metadata((-3, -2)))):
         values_hat = grouped(values, 3, group, code)
         out.append((label, bits, grouped(keys, 1, group, code), values_hat))
         out.append((label + ", keys before RoPE", bits, rope(grouped(pre, 1, group, code), 1.0, theta), values_hat))
