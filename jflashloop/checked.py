@@ -58,6 +58,7 @@ def _raise_on_statistics(name: str, statistics, spec: CodecSpec, allow_saturatio
         limit = {
             "int4": "its group's float16 min or scale would exceed 65504",
             "int3": "its group's float16 min or scale would exceed 65504",
+            "int2": "its group's float16 min or scale would exceed 65504",
             "int4_rotated": "its magnitude is beyond int4_rotated's input limit 2**64",
         }.get(spec.format, "it is at least 7/6 of the largest value the global scale can represent "
                            "(6 * 448 * global_scale)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import rotations
+from .int2 import decode_int2, encode_int2
 from .int3 import decode_int3, encode_int3
 from .int4 import decode_int4, encode_int4
 from .nvfp4 import decode_nvfp4, encode_nvfp4
@@ -68,7 +69,8 @@ def _round_trip_int4_group_rotated(vector, group_size, seed):
     return rotations.decode_int4_group_rotated_vector(codes, scales, group_size)
 
 
-AFFINE_CODECS = {"int4": (encode_int4, decode_int4), "int3": (encode_int3, decode_int3)}
+AFFINE_CODECS = {"int4": (encode_int4, decode_int4), "int3": (encode_int3, decode_int3),
+                 "int2": (encode_int2, decode_int2)}
 ROW_CODECS = {
     "int4_rotated": _round_trip_int4_rotated,
     "int2_lloyd_max": _round_trip_int2,

@@ -9,7 +9,7 @@ queries take for rotated keys. The modules of this folder are internal:
 * ``_packed``: :class:`Packed`, nibble and 3-bit packing;
 * ``_floats``: exact-float helpers (float16 / E4M3 rounding, saturating casts);
 * ``_statistics``: :class:`EncodeStatistics` and each format's saturation rule;
-* ``_int4`` (the affine formats, ``int4`` and ``int3``), ``_nvfp4``, ``_rotated``: one format family each;
+* ``_int4`` (the affine formats, ``int4``, ``int3`` and ``int2``), ``_nvfp4``, ``_rotated``: one format family each;
 * ``_api``: the entry points, which check arguments and dispatch on the format.
 """
 
@@ -19,8 +19,10 @@ from ._api import encode as encode
 from ._api import encode_with_statistics as encode_with_statistics
 from ._nvfp4 import global_scale_from_amax as global_scale_from_amax
 from ._packed import Packed as Packed
+from ._packed import pack_crumbs as pack_crumbs
 from ._packed import pack_nibbles as pack_nibbles
 from ._packed import pack_triplets as pack_triplets
+from ._packed import unpack_crumbs as unpack_crumbs
 from ._packed import unpack_nibbles as unpack_nibbles
 from ._packed import unpack_triplets as unpack_triplets
 from ._rotated import rotate as rotate
@@ -53,11 +55,13 @@ __all__ = [
     "global_scale_from_amax",
     "int2_lloyd_max",
     "int4_rotated",
+    "pack_crumbs",
     "pack_nibbles",
     "pack_triplets",
     "rotate",
     "rotate_by_product",
     "rotation_matrix",
+    "unpack_crumbs",
     "unpack_nibbles",
     "unpack_triplets",
     "unrotate",

@@ -81,7 +81,7 @@ def check_global_scale(global_scale, spec: CodecSpec) -> None:
         )
 
 
-STATISTICS_FORMATS = ("int4", "int3", "nvfp4", "int4_rotated")
+STATISTICS_FORMATS = ("int4", "int3", "int2", "nvfp4", "int4_rotated")
 
 
 def _checked_arguments(x, spec, global_scale, implementation, *, statistics: bool = False):
@@ -126,7 +126,7 @@ def encode(
     Returns:
       :class:`Packed` with uint8 payload ``[tokens, kv_heads,
       spec.payload_bytes_per_row(channels)]`` (``ceil(channels/2)`` for the
-      4-bit formats, ``ceil(3 * channels / 8)`` for INT3).
+      4-bit formats, ``ceil(3 * channels / 8)`` for INT3, ``ceil(channels / 4)`` for INT2).
 
     Edge values never produce NaN or Inf in the stored data: NaN/+-inf inputs
     take no part in any group statistic and are stored as the saturated code
@@ -166,7 +166,7 @@ def encode_with_statistics(
     bit). The :class:`EncodeStatistics` count the NaN/+-inf elements and the
     finite elements stored beyond the format's range (``docs/reliability.md``
     defines both); they are computed in the same ``jit``, from values the
-    encode already has. Defined for ``int4``, ``int3``, ``nvfp4`` and ``int4_rotated``.
+    encode already has. Defined for ``int4``, ``int3``, ``int2``, ``nvfp4`` and ``int4_rotated``.
 
     Returns:
       ``(packed, statistics)``; both counts are int32 ``[]``.
@@ -196,7 +196,7 @@ def count_saturations(
 ) -> EncodeStatistics:
     """The :class:`EncodeStatistics` that :func:`encode` of ``x`` would have.
 
-    INT4 and INT3 compute only the group statistics (no codes); ``int4_rotated``
+    The affine formats compute only the group statistics (no codes); ``int4_rotated``
     only its input rule; NVFP4 needs the quotients, so it encodes and drops
     the payload (free under ``jit``).
     """
@@ -211,7 +211,7 @@ def count_saturations(
 def _check_packed(packed: Packed) -> None:
     """Leaf dtypes and trailing shapes must match the packed's spec and logical shape.
 
-    Checked for the INT4, INT3 and NVFP4 layouts; other formats check their own.
+    Checked for the affine (INT4, INT3, INT2) and NVFP4 layouts; other formats check their own.
     """
     spec, shape = packed.spec, packed.shape
     if not isinstance(spec, CodecSpec) or len(shape) != 3:
@@ -246,7 +246,7 @@ def _check_packed(packed: Packed) -> None:
 def decode(packed: Packed, dtype=jnp.float32) -> jax.Array:
     """Decode a :class:`Packed` back to ``[tokens, kv_heads, channels]``.
 
-    Values are computed in float32 (INT4, INT3: ``code * scale + min``; NVFP4:
+    Values are computed in float32 (INT4, INT3, INT2: ``code * scale + min``; NVFP4:
     ``e2m1 * scale * global_scale``) and cast to ``dtype`` (RNE), saturating:
     a finite value beyond ``dtype``'s range decodes to its largest finite
     value of the same sign. (INT4 of a float16 group spanning -65504..65504

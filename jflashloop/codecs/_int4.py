@@ -1,13 +1,14 @@
-"""The affine codecs, INT4 (FlashLoop-compatible) and INT3, bit-exact with ``reference.int4`` / ``reference.int3``.
+"""The affine codecs, INT4 (FlashLoop-compatible), INT3 and INT2, bit-exact with ``reference.int4`` / ``int3`` / ``int2``.
 
 Per group in float32: ``min = amin(x)`` (-0.0 counted as +0.0), ``span = amax(x) - min``,
 ``scale = span / M`` (``1`` when ``span < 2**-121``), ``code = clamp(rne((x - min) /
-scale), 0, M)`` with ``M = 15`` for INT4 and ``7`` for INT3
+scale), 0, M)`` with ``M = 15`` for INT4, ``7`` for INT3 and ``3`` for INT2
 (:data:`~jflashloop.codecs._spec.AFFINE_MAX_CODE`); min and scale are then
 stored as float16 (RNE, saturating at +-65504). Decode: ``code *
 float32(scale16) + float32(min16)``. INT4 packs two codes per byte
 (:func:`~jflashloop.codecs._packed.pack_nibbles`), INT3 eight codes per three
-bytes (:func:`~jflashloop.codecs._packed.pack_triplets`).
+bytes (:func:`~jflashloop.codecs._packed.pack_triplets`), INT2 four codes per byte
+(:func:`~jflashloop.codecs._packed.pack_crumbs`).
 
 float32 subnormal inputs are read as zeros and a group whose span is below
 ``2**-121`` gets scale 1 (:data:`MINIMUM_SPAN`), so no subnormal arithmetic
@@ -26,7 +27,15 @@ import jax.numpy as jnp
 
 from ..ops._division import divide
 from . import _floats as floats
-from ._packed import Packed, pack_nibbles, pack_triplets, unpack_nibbles, unpack_triplets
+from ._packed import (
+    Packed,
+    pack_crumbs,
+    pack_nibbles,
+    pack_triplets,
+    unpack_crumbs,
+    unpack_nibbles,
+    unpack_triplets,
+)
 from ._spec import AFFINE_MAX_CODE, CodecSpec
 from ._statistics import EncodeStatistics, count, int4_saturated_groups
 
@@ -37,7 +46,8 @@ Their scale would be below ``2**-125``, where float32 subnormal arithmetic
 (flushed to zero by XLA on CPU, kept by numpy) could change a code; every
 such group decodes to its float16 min either way (its float16 scale would be 0).
 """
-_PACKINGS = {"int4": (pack_nibbles, unpack_nibbles), "int3": (pack_triplets, unpack_triplets)}
+_PACKINGS = {"int4": (pack_nibbles, unpack_nibbles), "int3": (pack_triplets, unpack_triplets),
+             "int2": (pack_crumbs, unpack_crumbs)}
 
 
 def _grouped(x: jax.Array, spec: CodecSpec) -> jax.Array:

@@ -1,4 +1,4 @@
-"""`Packed` (an encoded tensor and its metadata, as a pytree), nibble and 3-bit packing."""
+"""`Packed` (an encoded tensor and its metadata, as a pytree), nibble, 3-bit and 2-bit packing."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ class Packed:
       4-bit formats: ``ceil(channels / 2)`` bytes; byte ``c // 2`` holds
       channel ``c`` (even) in its low nibble and ``c + 1`` in its high nibble;
       an odd channel count leaves the last high nibble zero. INT3:
-      ``ceil(3 * channels / 8)`` bytes (:func:`pack_triplets`).
+      ``ceil(3 * channels / 8)`` bytes (:func:`pack_triplets`); INT2:
+      ``ceil(channels / 4)`` bytes (:func:`pack_crumbs`).
     * ``scale``: INT4 and INT3: float16 ``spec.metadata_shape(shape)``; NVFP4:
       float8_e4m3fn ``[tokens, kv_heads, ceil(channels / 16)]``.
     * ``minimum``: INT4 and INT3 only, float16, same shape as ``scale``; None for NVFP4.
@@ -117,3 +118,25 @@ def unpack_triplets(packed: jax.Array, channels: int) -> jax.Array:
     words = triples[..., 0] | (triples[..., 1] << jnp.uint32(8)) | (triples[..., 2] << jnp.uint32(16))
     codes = jnp.stack([(words >> jnp.uint32(3 * i)) & jnp.uint32(7) for i in range(8)], axis=-1)
     return codes.reshape(*packed.shape[:-1], -1)[..., :channels].astype(jnp.uint8)
+
+
+def pack_crumbs(codes: jax.Array) -> jax.Array:
+    """Pack uint8 codes ``[..., C]`` (values 0-3) into ``[..., ceil(C / 4)]`` bytes.
+
+    Byte ``c // 4`` holds code ``c`` at bits ``2 (c % 4) .. 2 (c % 4) + 1`` (a little-endian bit stream at
+    two bits a code); the bits past ``2 * C`` are zero.
+    """
+    channels = codes.shape[-1]
+    padded = -(-channels // 4) * 4
+    codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, padded - channels)])
+    quads = codes.reshape(*codes.shape[:-1], -1, 4).astype(jnp.uint8)
+    packed = quads[..., 0]
+    for i in range(1, 4):
+        packed = packed | (quads[..., i] << jnp.uint8(2 * i))
+    return packed
+
+
+def unpack_crumbs(packed: jax.Array, channels: int) -> jax.Array:
+    """Inverse of :func:`pack_crumbs`: ``[..., ceil(C / 4)]`` bytes to uint8 ``[..., C]``."""
+    codes = jnp.stack([(packed >> jnp.uint8(2 * i)) & jnp.uint8(3) for i in range(4)], axis=-1)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :channels]

@@ -6,22 +6,22 @@ import dataclasses
 import math
 from typing import Literal
 
-Format = Literal["int4", "int3", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated"]
+Format = Literal["int4", "int3", "int2", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated"]
 Axis = Literal["channel", "token"]
 
 NVFP4_BLOCK_SIZE = 16
-FORMATS = ("int4", "int3", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated")
+FORMATS = ("int4", "int3", "int2", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated")
 # Affine formats: float16 min and scale per group, codes 0..AFFINE_MAX_CODE[format].
-AFFINE_FORMATS = ("int4", "int3")
-AFFINE_MAX_CODE = {"int4": 15, "int3": 7}
+AFFINE_FORMATS = ("int4", "int3", "int2")
+AFFINE_MAX_CODE = {"int4": 15, "int3": 7, "int2": 3}
 # Formats whose group is the whole head, rotated by a seeded randomized Hadamard.
 HEAD_ROTATED_FORMATS = ("int4_rotated", "int2_lloyd_max")
 # Formats rotated by a plain normalized Hadamard (over the head for e8, per group otherwise).
 PLAIN_ROTATED_FORMATS = ("e8", "int4_group_rotated")
 # Payload bits per element.
-CODE_BITS = {"int4": 4, "int3": 3, "nvfp4": 4, "int4_rotated": 4, "int2_lloyd_max": 2, "e8": 2, "int4_group_rotated": 4}
+CODE_BITS = {"int4": 4, "int3": 3, "int2": 2, "nvfp4": 4, "int4_rotated": 4, "int2_lloyd_max": 2, "e8": 2, "int4_group_rotated": 4}
 # Metadata bits per group.
-METADATA_BITS = {"int4": 32, "int3": 32, "nvfp4": 8, "int4_rotated": 32, "int2_lloyd_max": 16, "e8": 16,
+METADATA_BITS = {"int4": 32, "int3": 32, "int2": 32, "nvfp4": 8, "int4_rotated": 32, "int2_lloyd_max": 16, "e8": 16,
                  "int4_group_rotated": 16}
 
 
@@ -33,8 +33,8 @@ class CodecSpec:
 
     Attributes:
       format: ``"int4"`` (affine: 4-bit codes, float16 min and scale per group),
-        ``"int3"`` (the same affine rule with 3-bit codes 0..7, see below)
-        or ``"nvfp4"`` (E2M1 codes, one E4M3 scale per 16 channels, one float32
+        ``"int3"`` and ``"int2"`` (the same affine rule with codes 0..7 and
+        0..3, see below) or ``"nvfp4"`` (E2M1 codes, one E4M3 scale per 16 channels, one float32
         global scale per tensor); or one of the rotated formats (all
         ``axis="token"``, see :mod:`jflashloop.codecs._rotated`):
         ``"int4_rotated"`` (randomized Hadamard over the head, asymmetric 4-bit
@@ -50,8 +50,8 @@ class CodecSpec:
         ``"token"``: per (token, kv_head) over groups of ``group_size``
         consecutive channels (the V layout). NVFP4 is ``"token"`` only.
       group_size: elements per quantization group (64 by default for INT4;
-        NVFP4's block is always 16). The last group may be partial (INT4,
-        INT3 and NVFP4 only).
+        NVFP4's block is always 16). The last group may be partial (the
+        affine formats and NVFP4 only).
       rotation_seed: seed of the random signs of ``int4_rotated`` and
         ``int2_lloyd_max`` (recorded here so queries can take the same
         rotation); None for every other format.
@@ -71,6 +71,13 @@ class CodecSpec:
     bytes ``3j .. 3j + 2``); the bits past ``3 * C`` in the last byte are zero.
     3 + 32 / G bits per element (3.5 at G = 64).
 
+    INT2 (``"int2"``, either axis, any ``group_size``): the same rule with 3 in
+    place of 7 (codes 0..3; not the rotated ``"int2_lloyd_max"``). ``payload``
+    uint8 ``[T, H, ceil(C / 4)]``: byte ``c // 4`` holds channel ``c`` at bits
+    ``2 (c % 4) .. 2 (c % 4) + 1`` (the same little-endian bit stream at 2 bits a
+    code); the bits past ``2 * C`` in the last byte are zero. 2 + 32 / G bits
+    per element (2.5 at G = 64).
+
     Example:
       >>> CodecSpec("int4", "channel", 64)          # FlashLoop keys
       CodecSpec(format='int4', axis='channel', group_size=64, rotation_seed=None)
@@ -78,6 +85,8 @@ class CodecSpec:
       4.5
       >>> CodecSpec("int3", "token", 64).payload_bytes_per_row(64), CodecSpec("int3", "token", 64).bits_per_element()
       (24, 3.5)
+      >>> CodecSpec("int2", "token", 64).payload_bytes_per_row(64), CodecSpec("int2", "token", 64).bits_per_element()
+      (16, 2.5)
     """
 
     format: Format = "int4"
