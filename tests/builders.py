@@ -38,12 +38,12 @@ def nvfp4_residual_config(**overrides) -> CacheConfig:
     return dataclasses.replace(base, loops=loops)
 
 
-def int3_config(**overrides) -> CacheConfig:
-    """:func:`small_config` at head_dim 32 with every stream in INT3: K per channel over each page's
-    tokens, V (and the sparse residuals) per token over 32 channels."""
+def small_affine_config(fmt: str = "int3", **overrides) -> CacheConfig:
+    """:func:`small_config` at head_dim 32 with every stream in INT3 or INT2 (``fmt``): K per channel over each
+    page's tokens, V (and the sparse residuals) per token over 32 channels."""
     base = small_config(**{"head_dim": 32, **overrides})
-    keys = jflashloop.CodecSpec("int3", "channel", min(16, base.page_size))
-    values = jflashloop.CodecSpec("int3", "token", 32)
+    keys = jflashloop.CodecSpec(fmt, "channel", min(16, base.page_size))
+    values = jflashloop.CodecSpec(fmt, "token", 32)
     loops = (LoopStorage(keys, values), LoopStorage(keys, values), LoopStorage(values, values, 4),
              LoopStorage(values, values, 2))
     return dataclasses.replace(base, loops=loops[: base.num_loops])

@@ -259,12 +259,13 @@ class TestPallasKernel(DecodeAttentionTest):
             (jflashloop.CodecSpec("int4", "channel", 16), jflashloop.CodecSpec("int4", "token", 4), "token-axis INT4 groups"),
             (jflashloop.E8_KEYS, jflashloop.INT4_GROUP_ROTATED_VALUES, "e8"),
             (jflashloop.CodecSpec("int3", "channel", 16), jflashloop.CodecSpec("int3", "token", 32), "'int3'"),
+            (jflashloop.CodecSpec("int2", "channel", 16), jflashloop.CodecSpec("int2", "token", 32), "'int2'"),
         ],
-        ids=["token-groups-of-4", "rk2v4-e8", "int3"],
+        ids=["token-groups-of-4", "rk2v4-e8", "int3", "int2"],
     )
     def test_rejects_layouts_it_cannot_read(self, rng, key_spec, value_spec, message):
         config = (_rotated_config(key_spec, value_spec) if key_spec.format == "e8"
-                  else _single_loop_config(key_spec, value_spec, head_dim=32 if key_spec.format == "int3" else HEAD_DIM))
+                  else _single_loop_config(key_spec, value_spec, head_dim=32 if key_spec.format in ("int3", "int2") else HEAD_DIM))
         cache, _ = build(rng, config, prompt_lengths=[30], steps=0)
         queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
         with pytest.raises(NotImplementedError, match=message):

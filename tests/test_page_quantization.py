@@ -29,8 +29,9 @@ ON_GPU = jax.default_backend() == "gpu"
 def _oracle_tile(tile, spec):
     if spec.format == "int4":
         return reference.encode_int4(tile[:, None, :], spec.axis, spec.group_size)
-    if spec.format == "int3":
-        return reference.encode_int3(tile[:, None, :], spec.axis, spec.group_size)
+    if spec.format in ("int3", "int2"):
+        encode = reference.encode_int3 if spec.format == "int3" else reference.encode_int2
+        return encode(tile[:, None, :], spec.axis, spec.group_size)
     return reference.encode_nvfp4(tile[:, None, :])
 
 
@@ -46,7 +47,7 @@ def _assert_stream_matches_oracle(stream, tiles, spec):
                 expected_payload = reference.paged_cache.nvfp4_page_bytes(expected_payload)
             assert_bits_equal(payload[head, page], expected_payload, "payload")
             assert_bits_equal(np.asarray(stream.scale[head, page]), expected["scale"][:, 0], "scale")
-            if spec.format in ("int4", "int3"):
+            if spec.format in ("int4", "int3", "int2"):
                 assert_bits_equal(np.asarray(stream.minimum[head, page]), expected["minimum"][:, 0], "minimum")
             else:
                 assert_bits_equal(
@@ -114,9 +115,10 @@ def test_page_pair_kernel_is_bit_exact_with_oracle(rng, pair, sink_tokens, case)
     _assert_stream_matches_oracle(value_stream, masked(values), value_spec)
 
 
-def test_int3_tiles_take_the_codec_path_on_every_implementation(rng):
-    """No quantize kernel reads INT3: "pallas" falls back to the codec, whose bits match the oracle."""
-    key_spec, value_spec = jflashloop.CodecSpec("int3", "channel", 16), jflashloop.CodecSpec("int3", "token", 32)
+@pytest.mark.parametrize("fmt", ["int3", "int2"])
+def test_small_affine_tiles_take_the_codec_path_on_every_implementation(rng, fmt):
+    """No quantize kernel reads INT3 or INT2: "pallas" falls back to the codec, whose bits match the oracle."""
+    key_spec, value_spec = jflashloop.CodecSpec(fmt, "channel", 16), jflashloop.CodecSpec(fmt, "token", 32)
     keys = rng.standard_normal((2, 16, 2, 32)).astype(np.float32) * 3 + 1  # [pages, rows, heads, D]
     values = rng.standard_normal((2, 16, 2, 32)).astype(np.float32)
     pages = jnp.array([0, 1], jnp.int32)

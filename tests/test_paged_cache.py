@@ -21,13 +21,13 @@ from tests.builders import (
     assert_matches_oracle,
     build,
     hole_cache,
-    int3_config,
     looped_tokens,
     lost_page_cache,
     lost_page_config,
     nvfp4_residual_config,
     oracle_codec,
     oracle_sequence,
+    small_affine_config,
     small_config,
     tiny_config,
 )
@@ -59,15 +59,18 @@ def test_nvfp4_residual_streams_match_oracle(rng):
     assert_matches_oracle(cache, history.keys, history.values, layers=[1])
 
 
-def test_int3_streams_match_oracle(rng):
-    config = int3_config(max_sequences=2, num_loops=3)  # base, dense residual, sparse residual
+@pytest.mark.parametrize("fmt", ["int3", "int2"])
+def test_small_affine_streams_match_oracle(rng, fmt):
+    config = small_affine_config(fmt, max_sequences=2, num_loops=3)  # base, dense residual, sparse residual
     cache, history = build(rng, config, prompt_lengths=[37, 17], steps=0)
     assert_matches_oracle(cache, history.keys, history.values, layers=[1])
 
 
-def test_int3_pages_need_whole_words():
-    with pytest.raises(ValueError, match="int3 pages need head_dim divisible by 32"):
-        int3_config(head_dim=16)
+@pytest.mark.parametrize("fmt, head_dim, rule", [("int3", 16, "int3 pages need head_dim divisible by 32"),
+                                                 ("int2", 8, "int2 pages need head_dim divisible by 16")])
+def test_small_affine_pages_need_whole_words(fmt, head_dim, rule):
+    with pytest.raises(ValueError, match=rule):
+        small_affine_config(fmt, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("page_size", [32, 64])
@@ -219,19 +222,24 @@ def test_storage_accounting_matches_arrays_and_hand_count():
     assert storage.sequence_bytes(config, 40) == LAYERS * (2 * expected.total + windows)
 
 
-def test_int3_storage_accounting_matches_arrays_and_hand_count():
-    config = int3_config()
-    # Per (page, head) tile with page 16, head_dim 32 (a row's payload: 32 * 3 / 8 = 12 bytes):
-    # K INT3 channel G16: payload 16*12=192 + 1 group x 32 channels x 4 B = 128 -> 320
-    # V INT3 token G32:   payload 192 + 16 rows x 1 group x 4 B = 64           -> 256
-    # sparse 4 rows (token G32): K 4*12+4*4=64, V 64, positions 4               -> 132
-    # sparse 2 rows: K 2*12+2*4=32, V 32, positions 2                           -> 66
-    expected = storage.PageBytes(loops=(2 * 576, 2 * 576, 2 * 132, 2 * 66), total=2 * (576 + 576 + 132 + 66))
+@pytest.mark.parametrize("fmt, row", [("int3", 12), ("int2", 8)])
+def test_small_affine_storage_accounting_matches_arrays_and_hand_count(fmt, row):
+    config = small_affine_config(fmt)
+    # Per (page, head) tile with page 16, head_dim 32 (a row's payload: 32 * 3 / 8 = 12 bytes for INT3,
+    # 32 * 2 / 8 = 8 for INT2), metadata 4 bytes a group:
+    # K channel G16: payload 16 * row + 1 group x 32 channels x 4 B = 128
+    # V token G32:   payload 16 * row + 16 rows x 1 group x 4 B = 64
+    # sparse 4 rows (token G32): K 4 * row + 4 * 4, V the same, positions 4
+    # sparse 2 rows: K 2 * row + 2 * 4, V the same, positions 2
+    dense = (16 * row + 128) + (16 * row + 64)
+    sparse4, sparse2 = 2 * (4 * row + 16) + 4, 2 * (2 * row + 8) + 2
+    expected = storage.PageBytes(loops=(2 * dense, 2 * dense, 2 * sparse4, 2 * sparse2),
+                                 total=2 * (2 * dense + sparse4 + sparse2))
     assert storage.page_bytes(config) == expected
     cache = paged_cache.create(config)
     pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache.layers[0].loops))
     assert pool_bytes == expected.total * config.num_pages
-    assert cache.layers[0].loops[0].keys.payload.shape == (HEADS, config.num_pages, 16, 3)  # 12 bytes as 3 words
+    assert cache.layers[0].loops[0].keys.payload.shape == (HEADS, config.num_pages, 16, row // 4)  # as words
 
 
 def test_ouro_storage_figure():
@@ -309,8 +317,9 @@ def test_nonfinite_inputs_are_stored_as_zero_counted_and_flagged(rng):
     assert int(freed.nonfinite_counts[0]) == 0 and int(freed.error_flags[0]) == 0
 
 
-def test_int3_saturation_is_counted_from_its_metadata(rng):
-    config = int3_config(num_loops=1, max_sequences=1)
+@pytest.mark.parametrize("fmt", ["int3", "int2"])
+def test_small_affine_saturation_is_counted_from_its_metadata(rng, fmt):
+    config = small_affine_config(fmt, num_loops=1, max_sequences=1)
     keys, values = looped_tokens(rng, config, 40)
     values[0, 0, 10, 1, :] -= 7e4  # in page 0: the min of the V group (token 10, head 1) is beyond float16
     cache = _prefill(paged_cache.create(config), 0, keys, values, 40)

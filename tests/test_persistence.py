@@ -26,7 +26,7 @@ import jflashloop
 from jflashloop import CacheConfig, LoopStorage, paged_cache, persistence
 from jflashloop.persistence import PersistenceError
 from tests.bits import assert_bits_equal
-from tests.builders import int3_config
+from tests.builders import small_affine_config
 
 CONFIG = CacheConfig(
     num_layers=2, num_kv_heads=2, head_dim=16, num_pages=10, max_sequences=3, max_pages_per_sequence=4,
@@ -87,14 +87,16 @@ def test_save_and_load_are_bit_identical(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["cache.jflkv"]
 
 
-def test_an_int3_cache_round_trips(tmp_path):
-    config = int3_config(num_layers=1, num_loops=3, max_sequences=1, num_pages=4, max_pages_per_sequence=4)
+@pytest.mark.parametrize("fmt", ["int3", "int2"])
+def test_a_small_affine_cache_round_trips(tmp_path, fmt):
+    config = small_affine_config(fmt, num_layers=1, num_loops=3, max_sequences=1, num_pages=4,
+                                 max_pages_per_sequence=4)
     keys, values = kv((1, 3, 40, 2, 32), 5)
     cache = _prefill(paged_cache.create(config), 0, keys, values, 40)
-    persistence.save(tmp_path / "int3.jflkv", cache)
-    loaded = persistence.load(tmp_path / "int3.jflkv", config=config)
+    persistence.save(tmp_path / f"{fmt}.jflkv", cache)
+    loaded = persistence.load(tmp_path / f"{fmt}.jflkv", config=config)
     assert_caches_identical(cache, loaded)
-    assert loaded.config.loops[0].key_spec == jflashloop.CodecSpec("int3", "channel", 16)
+    assert loaded.config.loops[0].key_spec == jflashloop.CodecSpec(fmt, "channel", 16)
     for loop in range(3):
         for a, b in zip(paged_cache.reconstruct(cache, 0, loop, 0), paged_cache.reconstruct(loaded, 0, loop, 0),
                         strict=True):

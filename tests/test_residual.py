@@ -28,10 +28,10 @@ def _looped(rng, loops, shape, drift=0.1):
     return out
 
 
-INT3_KEYS, INT3_VALUES = jflashloop.CodecSpec("int3", "channel", 64), jflashloop.CodecSpec("int3", "token", 64)
+SMALL_AFFINE = [jflashloop.CodecSpec(fmt, axis, 64) for fmt in ("int3", "int2") for axis in ("channel", "token")]
 
 
-@pytest.mark.parametrize("spec", [jflashloop.INT4_KEYS, jflashloop.INT4_VALUES, NVFP4_RESIDUAL, INT3_KEYS, INT3_VALUES],
+@pytest.mark.parametrize("spec", [jflashloop.INT4_KEYS, jflashloop.INT4_VALUES, NVFP4_RESIDUAL, *SMALL_AFFINE],
                          ids=lambda s: f"{s.format}-{s.axis}")
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_residual_matches_oracle(rng, spec, sparse):

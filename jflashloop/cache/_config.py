@@ -89,8 +89,8 @@ class CacheConfig:
         are stored as ``layer_loops[i]`` (``loops`` then only gives the loop
         count). :meth:`layer` gives the config of one layer's pages.
 
-    ``head_dim`` must be a multiple of 8 (16 for ``int2_lloyd_max`` and ``e8``
-    streams, 32 for ``int3`` streams: a page row's payload is whole 32-bit words).
+    ``head_dim`` must be a multiple of 8 (16 for ``int2``, ``int2_lloyd_max`` and
+    ``e8`` streams, 32 for ``int3`` streams: a page row's payload is whole 32-bit words).
 
     Every count above (and ``LoopStorage.sparse_rows_per_page``) must be a
     Python ``int``: a float or a bool raises ``TypeError``, a value out of
@@ -182,7 +182,7 @@ class CacheConfig:
                     spec.check_shape((1, 1, self.head_dim))
                 except ValueError as error:
                     raise ValueError(f"{where}: {error}") from None
-                if spec.format in ("int2_lloyd_max", "e8") and self.head_dim % 16:
+                if spec.format in ("int2", "int2_lloyd_max", "e8") and self.head_dim % 16:
                     raise ValueError(f"{where}: {spec.format} pages need head_dim divisible by 16")
                 if spec.format == "int3" and self.head_dim % 32:
                     raise ValueError(f"{where}: int3 pages need head_dim divisible by 32 (a row's "

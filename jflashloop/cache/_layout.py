@@ -25,11 +25,12 @@ Tile layout (head-major, so one tile is contiguous in memory):
   order (``jflashloop_pallas_kernels.nvfp4_pages``: :func:`stored_words`
   writes it, :func:`codec_words` reads it back; files hold the codec's
   order, :func:`interchange_order`). INT3 rows take ``3 * head_dim / 32``
-  words (its bit stream, 32 codes per 3 words; no kernel reads it)
-* ``scale``: INT4 / INT3 channel axis: float16 ``[kv_heads, pages, rows / group, head_dim]``;
-  INT4 / INT3 token axis: float16 ``[kv_heads, pages, rows, ceil(head_dim / group)]``;
+  words (its bit stream, 32 codes per 3 words), INT2 rows ``head_dim / 16``
+  (16 codes a word); no kernel reads either
+* ``scale``: INT4 / INT3 / INT2 channel axis: float16 ``[kv_heads, pages, rows / group, head_dim]``;
+  INT4 / INT3 / INT2 token axis: float16 ``[kv_heads, pages, rows, ceil(head_dim / group)]``;
   NVFP4: float8_e4m3fn ``[kv_heads, pages, rows, ceil(head_dim / 16)]``
-* ``minimum``: INT4 and INT3 only, like ``scale``
+* ``minimum``: the affine formats (INT4, INT3, INT2) only, like ``scale``
 * ``global_scale``: NVFP4 only, float32 ``[kv_heads, pages]`` (per tile)
 
 ``error_flags`` hold the ``ERROR_*`` bits below (``jflashloop.paged_cache``

@@ -166,8 +166,8 @@ def kernel_plan(config: CacheConfig, loop: int) -> KernelPlan:
     """The :class:`KernelPlan` of loops ``0..loop`` (static, so worked out once per config and loop).
 
     Raises:
-      NotImplementedError: a stream no fused kernel reads (lattice, INT2 and INT3
-        formats), a chain not in one basis (either no stream is rotated, or
+      NotImplementedError: a stream no fused kernel reads (lattice, INT2 (either)
+        and INT3 formats), a chain not in one basis (either no stream is rotated, or
         every K (or V) stream is ``int4_rotated`` with one seed), or a layout
         the Pallas kernel does not read (its ``unsupported_reason``).
     """
