@@ -33,6 +33,9 @@ def test_loop_storage_reads_each_kind_of_entry():
     int3_keys, int3_values = CodecSpec("int3", "channel", 64), CodecSpec("int3", "token", 64)
     assert policies.loop_storage("int3", 64) == LoopStorage(int3_keys, int3_values)
     assert policies.loop_storage("int3 16", 64) == LoopStorage(int3_values, int3_values, 16)
+    affine_int2 = CodecSpec("int2", "token", 64)
+    assert policies.loop_storage("int2a 24", 64) == LoopStorage(affine_int2, affine_int2, 24)
+    assert policies.loop_storage("int2a", 64) == LoopStorage(CodecSpec("int2", "channel", 64), affine_int2)
     with pytest.raises(ValueError, match="unknown residual codec"):
         policies.loop_storage("int5", 64)
     assert policies.loop_storage("direct int4", 64) == LoopStorage(INT4_KEYS, INT4_VALUES, direct=True)

@@ -11,8 +11,9 @@ A policy is one entry per loop, the base first: ``"int4"`` (dense INT4 G64, K
 per channel over the page, V per token), ``"int2"`` (dense INT2 Lloyd-Max K
 and V), ``"int4/int2"`` (K INT4, V INT2) and so on, or ``"<codec> <rows>"`` for
 a sparse residual of ``rows`` rows per 64-token page (codecs per token:
-``int4``, ``int3``, ``nvfp4``, ``int2``; ``int3`` is INT3 G64, K per channel
-when dense); ``"direct <codec>"`` is a dense loop stored on its own rather
+``int4``, ``int3``, ``nvfp4``, ``int2``, ``int2a``; ``int3`` is INT3 G64, K per
+channel when dense; ``int2`` is INT2 Lloyd-Max, ``int2a`` the affine INT2 G64,
+the ``"int2"`` format); ``"direct <codec>"`` is a dense loop stored on its own rather
 than as a residual against the loop before it (``LoopStorage.direct``), and
 ``"direct <codec> @a-b"`` only in layers ``a..b`` (1-based; the other layers
 store that loop as a residual: per-layer policies, ``CacheConfig.layer_loops``).
@@ -88,6 +89,8 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "direct int3 loop 2, int2 rows 24/10": ("int4", "direct int3", "int2 24", "int2 10"),
     "direct int3 loop 2, int2 rows 16/4": ("int4", "direct int3", "int2 16", "int2 4"),
     "flashloop, direct loop 2 in layers 1-2": ("int4", "direct int4 @1-2", "int4 16", "int4 7"),
+    "direct loop 2, affine int2 rows 24/10": ("int4", "direct int4", "int2a 24", "int2a 10"),
+    "direct loop 2, affine int2 rows 32/16": ("int4", "direct int4", "int2a 32", "int2a 16"),
 }
 
 
@@ -100,7 +103,9 @@ def _spec(codec: str, dense_key: bool, head_dim: int) -> CodecSpec:
         return NVFP4
     if codec == "int2":
         return int2_lloyd_max(head_dim, 0)
-    raise ValueError(f"unknown residual codec {codec!r} (int4, int3, nvfp4 or int2)")
+    if codec == "int2a":
+        return CodecSpec("int2", "channel", 64) if dense_key else CodecSpec("int2", "token", 64)
+    raise ValueError(f"unknown residual codec {codec!r} (int4, int3, nvfp4, int2 or int2a)")
 
 
 def loop_storage(entry: str, head_dim: int) -> LoopStorage:
