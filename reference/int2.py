@@ -22,38 +22,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from .int4 import decode_affine, encode_affine
+from .int4 import decode_affine, encode_affine, pack_bit_stream, unpack_bit_stream
 
 MAX_CODE = 3
 
 
 def pack_crumbs(codes: np.ndarray) -> np.ndarray:
-    """Pack 2-bit codes ``[..., C]`` into bytes ``[..., ceil(C / 4)]``, bit by bit."""
-    *lead, channels = codes.shape
-    packed = np.zeros((*lead, (2 * channels + 7) // 8), dtype=np.uint8)
-    for index in np.ndindex(*lead):
-        for c in range(channels):
-            code = int(codes[(*index, c)])
-            assert 0 <= code <= MAX_CODE, code
-            for bit in range(2):
-                if code >> bit & 1:
-                    position = 2 * c + bit
-                    packed[(*index, position // 8)] |= 1 << (position % 8)
-    return packed
+    """Pack 2-bit codes ``[..., C]`` into bytes ``[..., ceil(C / 4)]`` (:func:`reference.int4.pack_bit_stream`)."""
+    return pack_bit_stream(codes, 2)
 
 
 def unpack_crumbs(packed: np.ndarray, channels: int) -> np.ndarray:
     """Inverse of :func:`pack_crumbs`: bytes ``[..., ceil(C / 4)]`` to codes ``[..., C]``."""
-    *lead, _ = packed.shape
-    codes = np.zeros((*lead, channels), dtype=np.uint8)
-    for index in np.ndindex(*lead):
-        for c in range(channels):
-            code = 0
-            for bit in range(2):
-                position = 2 * c + bit
-                code |= (int(packed[(*index, position // 8)]) >> (position % 8) & 1) << bit
-            codes[(*index, c)] = code
-    return codes
+    return unpack_bit_stream(packed, channels, 2)
 
 
 def encode_int2(x: np.ndarray, axis: str, group_size: int):

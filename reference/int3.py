@@ -24,38 +24,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from .int4 import decode_affine, encode_affine
+from .int4 import decode_affine, encode_affine, pack_bit_stream, unpack_bit_stream
 
 MAX_CODE = 7
 
 
 def pack_triplets(codes: np.ndarray) -> np.ndarray:
-    """Pack 3-bit codes ``[..., C]`` into bytes ``[..., ceil(3 * C / 8)]``, bit by bit."""
-    *lead, channels = codes.shape
-    packed = np.zeros((*lead, (3 * channels + 7) // 8), dtype=np.uint8)
-    for index in np.ndindex(*lead):
-        for c in range(channels):
-            code = int(codes[(*index, c)])
-            assert 0 <= code <= MAX_CODE, code
-            for bit in range(3):
-                if code >> bit & 1:
-                    position = 3 * c + bit
-                    packed[(*index, position // 8)] |= 1 << (position % 8)
-    return packed
+    """Pack 3-bit codes ``[..., C]`` into bytes ``[..., ceil(3 * C / 8)]`` (:func:`reference.int4.pack_bit_stream`)."""
+    return pack_bit_stream(codes, 3)
 
 
 def unpack_triplets(packed: np.ndarray, channels: int) -> np.ndarray:
-    """Inverse of :func:`pack_triplets`: bytes ``[..., ceil(3C/8)]`` to codes ``[..., C]``."""
-    *lead, _ = packed.shape
-    codes = np.zeros((*lead, channels), dtype=np.uint8)
-    for index in np.ndindex(*lead):
-        for c in range(channels):
-            code = 0
-            for bit in range(3):
-                position = 3 * c + bit
-                code |= (int(packed[(*index, position // 8)]) >> (position % 8) & 1) << bit
-            codes[(*index, c)] = code
-    return codes
+    """Inverse of :func:`pack_triplets`: bytes ``[..., ceil(3 * C / 8)]`` to codes ``[..., C]``."""
+    return unpack_bit_stream(packed, channels, 3)
 
 
 def encode_int3(x: np.ndarray, axis: str, group_size: int):

@@ -116,6 +116,37 @@ def unpack_nibbles(packed: np.ndarray, channels: int) -> np.ndarray:
     return codes
 
 
+def pack_bit_stream(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack ``bits``-bit codes ``[..., C]`` into bytes ``[..., ceil(bits * C / 8)]``, bit by bit: code ``c``
+    occupies bits ``bits * c ..`` of the row (least significant first), bit ``b`` being bit ``b % 8`` of byte
+    ``b // 8``; the bits past ``bits * C`` are zero (INT3 and INT2 rows)."""
+    *lead, channels = codes.shape
+    packed = np.zeros((*lead, (bits * channels + 7) // 8), dtype=np.uint8)
+    for index in np.ndindex(*lead):
+        for c in range(channels):
+            code = int(codes[(*index, c)])
+            assert 0 <= code < 1 << bits, code
+            for bit in range(bits):
+                if code >> bit & 1:
+                    position = bits * c + bit
+                    packed[(*index, position // 8)] |= 1 << (position % 8)
+    return packed
+
+
+def unpack_bit_stream(packed: np.ndarray, channels: int, bits: int) -> np.ndarray:
+    """Inverse of :func:`pack_bit_stream`: bytes ``[..., ceil(bits * C / 8)]`` to codes ``[..., C]``."""
+    *lead, _ = packed.shape
+    codes = np.zeros((*lead, channels), dtype=np.uint8)
+    for index in np.ndindex(*lead):
+        for c in range(channels):
+            code = 0
+            for bit in range(bits):
+                position = bits * c + bit
+                code |= (int(packed[(*index, position // 8)]) >> (position % 8) & 1) << bit
+            codes[(*index, c)] = code
+    return codes
+
+
 def group_parameters(values, max_code: int = 15):
     """float32 (min, scale = span / max_code) of one group's float32 values.
 
