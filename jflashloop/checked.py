@@ -35,6 +35,7 @@ from ._errors import SaturationError
 from ._validation import require_concrete, require_finite
 from .codecs import CodecSpec, Packed
 from .codecs import _api as codecs
+from .codecs._spec import AFFINE_FORMATS
 from .paged_cache import PagedKVCache
 
 
@@ -55,13 +56,12 @@ def _raise_on_statistics(name: str, statistics, spec: CodecSpec, allow_saturatio
             "huge finite values)"
         )
     if saturated and not allow_saturation:
-        limit = {
-            "int4": "its group's float16 min or scale would exceed 65504",
-            "int3": "its group's float16 min or scale would exceed 65504",
-            "int2": "its group's float16 min or scale would exceed 65504",
-            "int4_rotated": "its magnitude is beyond int4_rotated's input limit 2**64",
-        }.get(spec.format, "it is at least 7/6 of the largest value the global scale can represent "
-                           "(6 * 448 * global_scale)")
+        if spec.format in AFFINE_FORMATS:
+            limit = "its group's float16 min or scale would exceed 65504"
+        elif spec.format == "int4_rotated":
+            limit = "its magnitude is beyond int4_rotated's input limit 2**64"
+        else:
+            limit = "it is at least 7/6 of the largest value the global scale can represent (6 * 448 * global_scale)"
         raise SaturationError(
             f"{name}: {saturated} element(s) would saturate ({limit}); pass allow_saturation=True to "
             "store them saturated"

@@ -6,7 +6,7 @@ encode statistics, :class:`Packed`, nibble packing, and the rotations that
 queries take for rotated keys. The modules of this folder are internal:
 
 * ``_spec``: :class:`CodecSpec`, the presets, bits and bytes per format;
-* ``_packed``: :class:`Packed`, nibble and 3-bit packing;
+* ``_packed``: :class:`Packed`, nibble, 3-bit and 2-bit packing;
 * ``_floats``: exact-float helpers (float16 / E4M3 rounding, saturating casts);
 * ``_statistics``: :class:`EncodeStatistics` and each format's saturation rule;
 * ``_int4`` (the affine formats, ``int4``, ``int3`` and ``int2``), ``_nvfp4``, ``_rotated``: one format family each;
