@@ -101,7 +101,7 @@ def input_saturations(rows: jax.Array, spec: CodecSpec) -> jax.Array:
 def stream_saturations(stream: PagedStream) -> jax.Array:
     """int32 ``[pages]``: elements of each tile stored at the format's limit.
 
-    INT4 and INT3: members of groups whose stored float16 min or scale saturated
+    The affine formats (INT4, INT3, INT2): members of groups whose stored float16 min or scale saturated
     (:func:`~jflashloop.codecs._statistics.int4_saturated_groups`); NVFP4:
     every element of a tile whose float32 tensor scale is not finite
     (:func:`~jflashloop.codecs._statistics.nvfp4_saturated`). ``int4_rotated``

@@ -26,9 +26,9 @@ class Packed:
       an odd channel count leaves the last high nibble zero. INT3:
       ``ceil(3 * channels / 8)`` bytes (:func:`pack_triplets`); INT2:
       ``ceil(channels / 4)`` bytes (:func:`pack_crumbs`).
-    * ``scale``: INT4 and INT3: float16 ``spec.metadata_shape(shape)``; NVFP4:
+    * ``scale``: the affine formats (INT4, INT3, INT2): float16 ``spec.metadata_shape(shape)``; NVFP4:
       float8_e4m3fn ``[tokens, kv_heads, ceil(channels / 16)]``.
-    * ``minimum``: INT4 and INT3 only, float16, same shape as ``scale``; None for NVFP4.
+    * ``minimum``: the affine formats only, float16, same shape as ``scale``; None for NVFP4.
     * ``global_scale``: NVFP4 only, float32 ``[]``: the decode multiplier
       (``x ~ e2m1 * scale * global_scale``); None for INT4.
 

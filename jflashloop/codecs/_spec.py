@@ -141,7 +141,7 @@ class CodecSpec:
             raise ValueError(f"e8 rotates the whole head: channels must be a power of two, got {channels}")
 
     def metadata_shape(self, shape: tuple[int, int, int]) -> tuple[int, int, int]:
-        """Shape of the per-group scale (and INT4 / INT3 minimum) array for a logical shape."""
+        """Shape of the per-group scale (and the affine formats' minimum) array for a logical shape."""
         tokens, heads, channels = shape
         if self.format in HEAD_ROTATED_FORMATS:
             return (tokens, heads, 1)
