@@ -5,8 +5,8 @@ energy (``|K_r - rec K_(r-1)|^2 + |V_r - rec V_(r-1)|^2``) as a sparse residual 
 other rows inherit it. ``bench/LOOPS.md`` found more rows at 2.25 bits (INT2 Lloyd-Max, after a randomized
 Hadamard rotation per head) better than FlashLoop's INT4 rows at fewer bytes, but no fused kernel reads
 rotated rows. This probe measures, on the shipped looped checkpoint's real K/V, whether an affine INT2 row
-code (``reference.int4``'s rule with codes 0..3, float16 scale and minimum per token over 64 channels: 2.5
-bits, no rotation: the fused kernels' row path could read it) keeps the Lloyd-Max rows' gain.
+code (the ``"int2"`` format: ``reference.int4``'s rule with codes 0..3, float16 scale and minimum per token over
+64 channels: 2.5 bits, no rotation: the fused kernels' row path could read it) keeps the Lloyd-Max rows' gain.
 
 Loop 2 is stored on its own (``CacheConfig.flashloop(direct_loop=True)``: dense INT4 G64, K per channel over
 the page, V per token); loops 3 and 4 are sparse residuals against it as above, rows chosen on the residual
@@ -40,20 +40,6 @@ BASE_KEYS = jflashloop.CodecSpec("int4", "channel", 64)
 BASE_VALUES = jflashloop.CodecSpec("int4", "token", 64)
 
 
-def affine_rows(rows: np.ndarray, max_code: int, group: int) -> np.ndarray:
-    """``rows`` ``[..., C]`` through the affine rule of ``reference.int4`` with codes ``0..max_code``, per
-    ``group`` channels: ``scale = span / max_code`` (1 where the span is 0), codes rounded half to even, then
-    scale and minimum rounded to float16; decoded ``code * scale16 + min16`` in float32."""
-    shape = rows.shape
-    g = rows.reshape(*shape[:-1], shape[-1] // group, group).astype(np.float32)
-    low = g.min(-1, keepdims=True)
-    span = g.max(-1, keepdims=True) - low
-    scale = np.where(span > 0, span / np.float32(max_code), np.float32(1.0)).astype(np.float32)
-    codes = np.clip(np.rint((g - low) / scale), 0, max_code)
-    decoded = codes * scale.astype(np.float16).astype(np.float32) + low.astype(np.float16).astype(np.float32)
-    return decoded.reshape(shape).astype(np.float32)
-
-
 def row_codes(head_dim: int) -> dict[str, tuple]:
     """``name: (round trip of rows [T, H, C], bytes of a row's K or V)`` for every row code (codes and metadata)."""
     def library(spec):
@@ -63,8 +49,8 @@ def row_codes(head_dim: int) -> dict[str, tuple]:
         "INT4 G64": library(jflashloop.CodecSpec("int4", "token", 64)),
         "INT3 G64": library(jflashloop.CodecSpec("int3", "token", 64)),
         "INT2 Lloyd-Max (rotated)": library(jflashloop.codecs.int2_lloyd_max(head_dim, 0)),
-        "INT2 affine G64": ((lambda x: affine_rows(x, 3, 64)), head_dim // 4 + 4 * -(-head_dim // 64)),
-        "INT2 affine G32": ((lambda x: affine_rows(x, 3, 32)), head_dim // 4 + 4 * -(-head_dim // 32)),
+        "INT2 affine G64": library(jflashloop.CodecSpec("int2", "token", 64)),
+        "INT2 affine G32": library(jflashloop.CodecSpec("int2", "token", 32)),
     }
 
 
