@@ -274,6 +274,24 @@ class TestPallasKernel(DecodeAttentionTest):
         assert_bits_equal(automatic, jflashloop.decode_attention_reference(queries, cache, 0, 0), "fallback")
 
 
+    def test_rejects_affine_int2_rows(self, rng):
+        """Affine INT2 sparse rows: the Gluon kernel's row path reads them, the Pallas kernel does not (it says
+        so, and the automatic choice falls back)."""
+        base = small_config(num_loops=4, head_dim=32, page_size=16)
+        rows = jflashloop.CodecSpec("int2", "token", 32)
+        config = dataclasses.replace(base, loops=tuple(
+            dataclasses.replace(loop, key_spec=rows, value_spec=rows) if loop.is_sparse else loop
+            for loop in base.loops))
+        assert jflashloop.ops._decode_attention.kernel_plan(config, 3).loops[2].keys.format == "int2"
+        cache, _ = build(rng, config, prompt_lengths=[40], steps=0)
+        queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
+        with pytest.raises(NotImplementedError, match="'int2'"):
+            self.attend(queries, cache, 0, 3)
+        automatic = jflashloop.decode_attention(queries, cache, 0, 3, interpret=self.INTERPRET)
+        # the reference path (the Gluon kernel reads head_dim 64, 128 and 256 only)
+        assert_bits_equal(automatic, jflashloop.decode_attention_reference(queries, cache, 0, 3), "fallback")
+
+
 class TestPallasKernelInterpret(TestPallasKernel):
     INTERPRET = True
     PRODUCTS = "float32"

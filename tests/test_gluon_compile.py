@@ -17,7 +17,7 @@ import pytest
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 
-from jflashloop_triton_kernels import compile_check  # noqa: E402
+from jflashloop_triton_kernels import compile_check, launch  # noqa: E402
 
 
 def _count(ptx: str, pattern: str) -> int:
@@ -235,3 +235,20 @@ def test_loop_instructions_needs_a_loop():
     compiled = compile_check.compile_merge_kernel(slots=8)
     with pytest.raises(ValueError, match="no loop"):
         compile_check.loop_instructions(compiled.asm["cubin"])
+
+
+@pytest.mark.parametrize("head_dim, sparse", [(64, (24, 10)), (128, (16, 7))])
+def test_affine_int2_rows_compile_as_int4_words(head_dim, sparse):
+    """A direct chain's loop 4 with affine INT2 rows (uint16 halfwords, one per INT4 word, widened in registers
+    to INT4 words): no tile through shared memory, no spills where INT4 rows have none (ptxas, sm_90a), the
+    rows' shared memory 1/2 of INT4 rows' (the dense page's stays)."""
+    options = dict(format="int4", streams=1, sparse=sparse, stages=1, stagger=True, group=4, head_dim=head_dim)
+    int2 = compile_check.compile_pages_kernel("pipelined", rows_format="int2", **options)
+    int4 = compile_check.compile_pages_kernel("pipelined", rows_format="int4", **options)
+    ptx = int2.asm["ptx"]
+    assert _count(ptx, r"st\.shared") == 0 and _count(ptx, r"wgmma") == 0
+    assert _count(ptx, r"cp\.async") > 0
+    resources = compile_check.ptxas_resources(ptx, "sm_90a")
+    assert resources["registers"] <= 255 and resources["spill_stores"] == 0, resources
+    rows = sum(launch.padded_sparse_rows(r) * head_dim for r in sparse)  # bytes of INT4 rows, keys and values
+    assert int4.metadata.shared - int2.metadata.shared == rows // 2

@@ -559,6 +559,39 @@ def test_gluon_kernel_sparse_rows_of_each_format(rng, format, rows, direct):
     assert_loops_match_reference(queries, cache, 1, (2, 3))
 
 
+def _affine_int2_rows(config):
+    """``config`` (a chain) with every sparse loop's rows in affine INT2 grouped like the dense values."""
+    rows = jflashloop.CodecSpec("int2", "token", config.loops[0].value_spec.group_size)
+    return _format_chain(config, (config.loops[0].key_spec, config.loops[0].value_spec), (rows, rows))
+
+
+@pytest.mark.parametrize("dense, head_dim, direct, scaled", [
+    ("int4", 64, True, None), ("int4", 128, False, False), ("nvfp4", 64, False, None),
+    *gpu_only(("int4", 64, False, None), ("int4", 128, True, None), ("int4", 256, True, None),
+              ("int4", 64, True, False), ("nvfp4", 128, True, None))])
+def test_gluon_kernel_affine_int2_rows(rng, dense, head_dim, direct, scaled):
+    """Sparse rows in affine INT2 (the ``"int2"`` format, grouped like the dense values) after INT4 or NVFP4
+    streams, with and without a direct loop 2: read as INT4 words of the same codes, on the INT4 rows' path
+    (values scaled on the probabilities or decoded, ``scaled``)."""
+    base = small_config(num_loops=4, page_size=64, head_dim=head_dim, max_pages_per_sequence=40, num_pages=128,
+                        direct_loop=direct)
+    if dense == "nvfp4":
+        base = _format_chain(base, (jflashloop.NVFP4,) * 2)
+    config = _affine_int2_rows(base)
+    assert {loop.key_spec.format for loop in config.loops if loop.is_sparse} == {"int2"}
+    cache, _ = build(rng, config, prompt_lengths=[5 * 64 + 9, 3, 2 * 64], steps=2)
+    queries = jnp.asarray(rng.standard_normal((3, 8, config.head_dim)), jnp.float32)
+    for loop in (2, 3):
+        expected = jflashloop.decode_attention_reference(queries, cache, 1, loop, include_pending=True)
+        actual = gluon_attention(queries, cache, 1, include_pending=True, loop=loop,
+                                 options=None if scaled is None else dict(scaled_values=scaled))
+        errors = relative_errors(actual, expected)
+        assert (errors < TOLERANCE).all(), (loop, errors)
+        # the rows count: without loop 4's (or 3's) residual rows the output moves by more than the tolerance
+        without = jflashloop.decode_attention_reference(queries, cache, 1, loop - 1, include_pending=True)
+        assert (relative_errors(without, expected) > 10 * errors).any(), (loop, errors)
+
+
 def test_gluon_kernel_chain_after_a_direct_loop(rng):
     """A direct loop 2 (stored on its own) and the sparse loops after it: the kernel reads one dense stream
     and the sparse rows (loops 2-4 read no base)."""
@@ -618,6 +651,10 @@ def test_gluon_kernel_reads_sparse_rows_of_one_format():
     assert "one format" in reason(nvfp4, (jflashloop.CodecSpec("int4", "token", 64),) * 2)  # not the values' groups
     assert "one format" in reason(rotated, (jflashloop.CodecSpec("int4", "token", 128),) * 2)  # another basis
     assert "one format" in reason(nvfp4, nvfp4, last_rows=int4_rows)  # loops 3 and 4 differ
+    int2_rows = (jflashloop.CodecSpec("int2", "token", 16),) * 2  # affine INT2, grouped like NVFP4's values
+    assert reason(nvfp4, int2_rows) is None
+    assert "one format" in reason(nvfp4, int2_rows, last_rows=int4_rows)
+    assert "one format" in reason(rotated, (jflashloop.CodecSpec("int2", "token", 128),) * 2)  # another basis
     assert "one format" in reason(nvfp4, (jflashloop.NVFP4, jflashloop.CodecSpec("int4", "token", 16)))
 
 

@@ -31,6 +31,15 @@ def _words(rng, n=N):
     return words
 
 
+def _halfwords(rng, n=N):
+    """Random uint16 halfwords after the hard cases (all codes 0 or 3, alternating, single codes), as the
+    float16 an ``h`` input takes: their bits, not their values."""
+    bits = rng.integers(0, 1 << 16, n).astype(np.uint16)
+    bits[:22] = [0, 0xFFFF, 0x5555, 0xAAAA, 0x00FF, 0xFF00, 0x0F0F, 0xF0F0, 0x3333, 0xCCCC, 0x0001, 0x8000,
+                 0x0003, 0xC000, 0x1B1B, 0xE4E4, 0x0102, 0x4080, 0x7FFF, 0xFFFE, 0x00C0, 0x0300]
+    return bits.view(np.float16)
+
+
 def _half(rng, low, high, n=N):
     return rng.uniform(low, high, n).astype(np.float16)
 
@@ -85,6 +94,7 @@ def _cases(rng):
         "_ROTATED_KEY_ASM": (keys + ",h,h", [_words(rng), low, high]),
         "_ROTATED_VALUE_PAIR_ASM": (pair + ",h,h,h,h", [_words(rng), _words(rng), low, low_odd, high, high_odd]),
         "_ROW_KEY_ASM": (keys + ",h,h", [_words(rng), scale, minimum]),
+        "_ROW_KEY_INT2_ASM": ("=h," * 8 + "h,h,h", [_halfwords(rng), scale, minimum]),
         "_SCATTER_ONE_HOT_ASM": ("=h,=h,r,r", _one_hot_inputs(rng)),
         "_GATHER_ONE_HOT_ASM": ("=h,=h,r,r", _one_hot_inputs(rng)),
     }
@@ -94,12 +104,31 @@ NAMES = sorted(_cases(np.random.default_rng(0)))
 
 
 PACKED = ["_E4M3_PAIR_ASM"]  # blocks that take two elements at once (pack=2): tested on their own below
+WORDS = ["_INT2_ROW_WORD_ASM"]  # blocks with a uint32 output: tested on their own below
 
 
 def test_every_emulated_block_is_executed_here():
     emulated = set(emulate._asm_table())
-    covered = {getattr(gluon_decode, name).value for name in [*NAMES, *PACKED]}
+    covered = {getattr(gluon_decode, name).value for name in [*NAMES, *PACKED, *WORDS]}
     assert emulated == covered
+
+
+def test_int2_row_word_block_matches_its_emulation_and_the_packers():
+    """Every uint16 halfword of affine INT2 codes (channel i at bits 2i) -> the INT4 word of the same codes
+    (channel i at bits 4i), as the library's own packers lay both out."""
+    import jax.numpy as jnp
+
+    from jflashloop.codecs import pack_nibbles, unpack_crumbs
+
+    halfwords = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    (actual,) = ptx.run(gluon_decode._INT2_ROW_WORD_ASM.value, "=r,h", [halfwords.view(np.float16)])
+    emulated = emulate._asm_table()[gluon_decode._INT2_ROW_WORD_ASM.value](halfwords)
+    np.testing.assert_array_equal(actual, np.asarray(emulated))
+    # the library's byte layouts (little-endian words): a halfword's 2 bytes of crumbs, a word's 4 of nibbles
+    codes = unpack_crumbs(jnp.asarray(halfwords.view(np.uint8).reshape(-1, 2)), 8)
+    int4_words = np.asarray(pack_nibbles(codes)).view(np.uint32).reshape(-1)
+    np.testing.assert_array_equal(actual, int4_words)
+    assert actual[0xFFFF] == 0x33333333 and actual[0b10_01] == 0x21
 
 
 def test_e4m3_pair_block_matches_its_emulation():

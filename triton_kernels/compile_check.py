@@ -60,7 +60,8 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     merge's registers per round trip (None: ``launch.MERGE_REGISTERS``);
     ``scaled``: INT4 values as subnormal codes against scaled probabilities
     (None: ``launch.preferred_scaled_values``); ``persist``: that many persistent programs (``PERSIST``);
-    ``rows_format``: the sparse rows' format (``"int4"``, or ``format`` itself: ``ROWS_FORMAT``).
+    ``rows_format``: the sparse rows' format (``"int4"``, ``"int2"`` (affine, halfwords), or ``format``
+    itself: ``ROWS_FORMAT``).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -73,7 +74,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     fn = {"pipelined": gluon_decode.int4_pages_kernel_v2, "simple": gluon_decode.int4_pages_kernel,
           "triton": triton_decode.int4_pages_kernel}[kernel]
     formats = {"int4": ["*u32", "*fp16", "*fp16"], "nvfp4": ["*u32", "*u8", "*fp32"],
-               "int4_rotated": ["*u32", "*fp32", "*fp32"]}
+               "int4_rotated": ["*u32", "*fp32", "*fp32"], "int2": ["*u16", "*fp16", "*fp16"]}
     stream = formats[format] * 2
     sparse_stream = formats[rows_format] * 2 + ["*i8"]
     windows = stream + sparse_stream * 2 + [window] * 4 if pipelined else []
@@ -86,7 +87,7 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
     if pipelined:
         constants["FORMAT"] = {"int4": 0, "nvfp4": 1, "int4_rotated": 2}[format]
         constants.update(SPARSE=len(sparse), R3=sparse[0] if sparse else 16, R4=sparse[1] if len(sparse) > 1 else 16,
-                         ROWS_FORMAT={"int4": 0, "nvfp4": 1, "int4_rotated": 2}[rows_format])
+                         ROWS_FORMAT={"int4": 0, "nvfp4": 1, "int4_rotated": 2, "int2": 3}[rows_format])
     outputs = OUTPUTS + (MERGE_OUTPUTS if pipelined else [])
     if pipelined:
         constants.update(MERGE=merge, GROUP=group, PRECISE=precise, QSCALE=0.12753, PENDING=1, CAPACITY=1 << 20,

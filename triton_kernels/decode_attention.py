@@ -56,12 +56,12 @@ def unsupported_reason(loops, head_dim: int, page_size: int, group: int, kernel:
         # of the dense streams' own format and grouping
         row_specs = {(values.format, "token", values.group_size)}
         if values.format != "int4_rotated":
-            row_specs.add(("int4", "token", values.group_size))
+            row_specs |= {("int4", "token", values.group_size), ("int2", "token", values.group_size)}
         specs = {(stream.format, stream.axis, stream.group_size) for loop in sparse
                  for stream in (loop.keys, loop.values)}
         if len(specs) > 1 or not specs <= row_specs:
-            return ("the Gluon kernel reads sparse loops of one format: INT4 rows grouped like the dense values "
-                    "(after INT4 or NVFP4 streams), or rows of the dense streams' format and grouping")
+            return ("the Gluon kernel reads sparse loops of one format: INT4 or affine INT2 rows grouped like the "
+                    "dense values (after INT4 or NVFP4 streams), or rows of the dense streams' format and grouping")
         if any(loop.keys.rows > page_size for loop in sparse):
             return "sparse rows exceed the page"
     formats = (keys.format, keys.axis, values.format, values.axis)
@@ -142,10 +142,18 @@ def merge_partials(output, total, running_max, group: int, *, emulate: bool = Fa
                             num_warps=launch["WARPS"], name="jflashloop_merge_splits", **constants)[0]
 
 
-def _stream_format(stream) -> int:
-    """The Gluon kernel's format constant of a stream's arrays: 0 INT4 (a minimum), 1 NVFP4 (a tile
-    scale), 2 int4_rotated."""
-    return 0 if stream["minimum"] is not None else (1 if stream["global_scale"] is not None else 2)
+def _stream_format(stream, head_dim: int) -> int:
+    """The Gluon kernel's format constant of a stream's arrays: 0 INT4 (a minimum, 8 codes a word), 1
+    NVFP4 (a tile scale), 2 int4_rotated, 3 affine INT2 (a minimum, 16 codes a word: sparse rows)."""
+    if stream["minimum"] is not None:
+        return 3 if stream["payload"].shape[-1] * 16 == head_dim else 0
+    return 1 if stream["global_scale"] is not None else 2
+
+
+def _int2_row_halfwords(payload):
+    """Affine INT2 row words uint32 ``[..., D/16]`` -> uint16 ``[..., D/8]`` (little-endian, the same
+    memory): halfword ``w`` holds the 2-bit codes of channels ``8 w .. 8 w + 7``, INT4 word ``w``'s."""
+    return jax.lax.bitcast_convert_type(payload, jnp.uint16).reshape(*payload.shape[:-1], -1)
 
 
 def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dict[str, Any], *,
@@ -223,9 +231,11 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         jax.ShapeDtypeStruct((sequences, programs, slots, ROWS), jnp.float32),
         jax.ShapeDtypeStruct((sequences, programs, slots, ROWS), jnp.float32),
     ]
-    stream_format = _stream_format(keys)
+    stream_format = _stream_format(keys, head_dim)
 
     def stream_arrays(stream):
+        if _stream_format(stream, head_dim) == 3:  # affine INT2 rows: a halfword per INT4 word
+            return [_int2_row_halfwords(stream["payload"]), stream["scale"], stream["minimum"]]
         if stream["global_scale"] is not None:  # NVFP4: E4M3 scales as bytes, the tile scales for the minimums
             return [stream["payload"], jax.lax.bitcast_convert_type(stream["scale"], jnp.uint8), stream["global_scale"]]
         if stream["minimum"] is None:  # int4_rotated: the per-token scales (twice; the second slot is unread)
@@ -275,7 +285,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                 arrays += [*stream_arrays(keys), *stream_arrays(values), block_tables]
         extra.update(SPARSE=len(sparse), R3=sparse_rows[0] if sparse else 16,
                      R4=sparse_rows[1] if len(sparse) > 1 else 16,
-                     ROWS_FORMAT=_stream_format(sparse[0]["keys"]) if sparse else 0)
+                     ROWS_FORMAT=_stream_format(sparse[0]["keys"], head_dim) if sparse else 0)
         out_shape += [
             jax.ShapeDtypeStruct((sequences, kv_heads * (merge_group or 1), head_dim) if merge_group else (1,),
                                  jnp.float32),

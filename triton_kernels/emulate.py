@@ -225,6 +225,17 @@ def _row_keys(words, scale, minimum):  # token-axis INT4 rows: code * scale + mi
     return tuple(_t(_fp16_fma(c, scale, minimum)) for c in _nibbles(words))
 
 
+def _int2_row_words(halfwords):  # affine INT2 rows: 8 two-bit codes -> an INT4 word of the same codes
+    halfwords = np.asarray(halfwords)
+    if halfwords.dtype == np.float16:  # a 16-bit register's bits, as the PTX evaluator passes them
+        halfwords = halfwords.view(np.uint16)
+    halfwords = halfwords.astype(np.uint32)
+    words = np.zeros(halfwords.shape, np.uint32)
+    for i in range(8):
+        words |= ((halfwords >> np.uint32(2 * i)) & np.uint32(3)) << np.uint32(4 * i)
+    return _t(words)
+
+
 def _one_hot_pairs(a, b, true_bits):  # float16 pairs compared half by half: true_bits where equal, else 0
     a, b = (np.asarray(x).astype(np.uint32) for x in (a, b))
     out = []
@@ -240,6 +251,9 @@ def _asm_table():
 
     return {
         gluon_decode._ROW_KEY_ASM.value: _row_keys,
+        gluon_decode._INT2_ROW_WORD_ASM.value: _int2_row_words,
+        gluon_decode._ROW_KEY_INT2_ASM.value: lambda halfwords, scale, minimum: _row_keys(
+            _int2_row_words(halfwords), scale, minimum),
         gluon_decode._ROTATED_KEY_ASM.value: _rotated_keys,
         gluon_decode._ROTATED_VALUE_PAIR_ASM.value: _rotated_value_pairs,
         gluon_decode._KEY_CODES_ASM.value: _key_codes,

@@ -574,6 +574,20 @@ _E2M1_VALUE_CODES_ASM = gl.constexpr(_e2m1_value_pair_asm(scales=False))
 INT4 = gl.constexpr(0)
 NVFP4 = gl.constexpr(1)
 ROTATED = gl.constexpr(2)  # int4_rotated: per-token float32 scale, zero point in its 4 low mantissa bits
+INT2 = gl.constexpr(3)  # sparse rows only: affine INT2 (scale and minimum like INT4 rows), read as INT4 words
+
+# Affine INT2 rows: a halfword's 8 two-bit codes (channel i at bits 2i) -> an INT4 word of the same codes
+# (channel i at bits 4i): bytes to halfwords (prmt), nibbles to bytes and crumbs to nibbles ((x | x << k) & mask).
+_INT2_ROW_WORD_ASM = gl.constexpr("""{
+.reg .b32 x, y;
+cvt.u32.u16 x, $1;
+mov.b32 y, 0;
+prmt.b32 x, x, y, 0x4140;
+shl.b32 y, x, 4;
+lop3.b32 x, x, y, 0x0F0F0F0F, 0xA8;
+shl.b32 y, x, 2;
+lop3.b32 $0, x, y, 0x33333333, 0xA8;
+}""")
 
 # int4_rotated keys: a word and its token's (1024 + zp, -64 - zp) -> 8 float16 ``code - zp`` (exact).
 _ROTATED_KEY_ASM = gl.constexpr("""{
@@ -622,6 +636,41 @@ sub.f16x2 a, a, k;
 fma.rn.f16x2 b, b, e, o;
 sub.f16x2 c, c, k;
 fma.rn.f16x2 d, d, e, o;
+fma.rn.f16x2 a, a, s, m;
+fma.rn.f16x2 b, b, s, m;
+fma.rn.f16x2 c, c, s, m;
+fma.rn.f16x2 d, d, s, m;
+mov.b32 {$0, $4}, a;
+mov.b32 {$1, $5}, b;
+mov.b32 {$2, $6}, c;
+mov.b32 {$3, $7}, d;
+}""")
+
+# Token-axis affine INT2 key rows: a halfword (8 two-bit codes) and its row's (scale, min) -> the same 8
+# dequantized float16 as _ROW_KEY_ASM gives for an INT4 word of those codes. Its two bytes to the word's halves
+# (prmt), then the codes (c_i, c_i+4) at 4**i: 1024 + 4**i c as float16 (exact), less 1024 times 4**-i.
+_ROW_KEY_INT2_ASM = gl.constexpr("""{
+.reg .b32 x, z, a, b, c, d, k, e, f, g, o, p, q, s, m;
+cvt.u32.u16 x, $8;
+mov.b32 z, 0;
+prmt.b32 x, x, z, 0x4140;
+mov.b32 k, 0x64006400;
+mov.b32 e, 0x34003400;
+mov.b32 o, 0xDC00DC00;
+mov.b32 f, 0x2C002C00;
+mov.b32 p, 0xD400D400;
+mov.b32 g, 0x24002400;
+mov.b32 q, 0xCC00CC00;
+mov.b32 s, {$9, $9};
+mov.b32 m, {$10, $10};
+lop3.b32 a, x, 0x00030003, 0x64006400, 0xEA;
+lop3.b32 b, x, 0x000C000C, 0x64006400, 0xEA;
+lop3.b32 c, x, 0x00300030, 0x64006400, 0xEA;
+lop3.b32 d, x, 0x00C000C0, 0x64006400, 0xEA;
+sub.f16x2 a, a, k;
+fma.rn.f16x2 b, b, e, o;
+fma.rn.f16x2 c, c, f, p;
+fma.rn.f16x2 d, d, g, q;
 fma.rn.f16x2 a, a, s, m;
 fma.rn.f16x2 b, b, s, m;
 fma.rn.f16x2 c, c, s, m;
@@ -827,11 +876,11 @@ def _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages):
 @gluon.jit
 def _copy_page(streams, stage, tile, live, KEYS: gl.constexpr, STREAMS: gl.constexpr, SPARSE: gl.constexpr,
                R3: gl.constexpr, RP3: gl.constexpr, R4: gl.constexpr, RP4: gl.constexpr, PAGE: gl.constexpr,
-               W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, FORMAT: gl.constexpr):
+               W: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, FORMAT: gl.constexpr, ROWS: gl.constexpr = 0):
     """cp.async the key (``KEYS``) or value tiles of page ``tile`` of every stream the kernel reads (no
     commit). ``streams``: (buffers, pointers) of the dense streams' ``(words, scale, minimum)`` and of the
-    sparse loops' rows. Metadata per tile: INT4 key scale/min ``[D]`` and value scale/min ``[PAGE, NG]``
-    (float16), NVFP4 E4M3 scale bytes ``[PAGE, D/16]``, int4_rotated row scales ``[PAGE]`` (float32)."""
+    sparse loops' rows (in format ``ROWS``). Metadata per tile: INT4 key scale/min ``[D]`` and value scale/min
+    ``[PAGE, NG]`` (float16), NVFP4 E4M3 scale bytes ``[PAGE, D/16]``, int4_rotated row scales ``[PAGE]`` (float32)."""
     buffers, pointers = streams
     if FORMAT == ROTATED:
         META: gl.constexpr = PAGE
@@ -847,9 +896,9 @@ def _copy_page(streams, stage, tile, live, KEYS: gl.constexpr, STREAMS: gl.const
         _copy_tile(buffers[3], buffers[4], buffers[5], stage, tile, live, pointers[3], pointers[4], pointers[5],
                    PAGE, W, META, FORMAT)
     if SPARSE >= 1:
-        _copy_rows(buffers[6], stage, tile, live, pointers[6], R3, RP3, W)
+        _copy_rows(buffers[6], stage, tile, live, pointers[6], R3, RP3, W, ROWS)
     if SPARSE >= 2:
-        _copy_rows(buffers[7], stage, tile, live, pointers[7], R4, RP4, W)
+        _copy_rows(buffers[7], stage, tile, live, pointers[7], R4, RP4, W, ROWS)
 
 
 @gluon.jit
@@ -1270,17 +1319,33 @@ def _codes_to_values(acc, mins, D: gl.constexpr, W: gl.constexpr, MMA: gl.conste
 
 
 @gluon.jit
-def _sparse_buffers(STAGES: gl.constexpr, RP: gl.constexpr, W: gl.constexpr):
-    """Shared memory of a sparse stream: STAGES tiles of ``RP`` (padded) key and value rows."""
-    kw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, RP, W], _plain_shared(2))
-    vw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, RP, W], _value_shared(RP, W))
+def _sparse_buffers(STAGES: gl.constexpr, RP: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr = 0):
+    """Shared memory of a sparse stream: STAGES tiles of ``RP`` (padded) key and value rows: ``W`` uint32
+    words a row, or for ``INT2`` rows ``W`` uint16 halfwords (one per INT4 word: :func:`_int2_row_words`)."""
+    if ROWS == INT2:
+        kw_s = gl.allocate_shared_memory(gl.uint16, [STAGES, RP, W], _plain_shared(2))
+        vw_s = gl.allocate_shared_memory(gl.uint16, [STAGES, RP, W], _plain_shared(2))
+    else:
+        kw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, RP, W], _plain_shared(2))
+        vw_s = gl.allocate_shared_memory(gl.uint32, [STAGES, RP, W], _value_shared(RP, W))
     return kw_s, vw_s
 
 
 @gluon.jit
-def _copy_rows(w_s, stage, tile, live, w_ptr, R: gl.constexpr, RP: gl.constexpr, W: gl.constexpr):
-    """cp.async the ``R`` stored rows (keys or values) of a sparse tile (rows ``R .. RP`` zero-filled)."""
-    WORDS: gl.constexpr = _copy_layout(RP, W, 4)
+def _int2_row_words(halfwords):
+    """uint16 halfwords of affine INT2 rows -> uint32 INT4 words of the same codes (0..3), same shape and
+    layout: halfword ``w`` of a row holds channels ``8 w .. 8 w + 7`` (2 bits each), INT4 word ``w`` the
+    same channels (4 bits each), so every INT4 row path reads INT2 rows unchanged."""
+    return gl.inline_asm_elementwise(_INT2_ROW_WORD_ASM, "=r,h", [halfwords], dtype=gl.uint32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _copy_rows(w_s, stage, tile, live, w_ptr, R: gl.constexpr, RP: gl.constexpr, W: gl.constexpr,
+               ROWS: gl.constexpr = 0):
+    """cp.async the ``R`` stored rows (keys or values) of a sparse tile (rows ``R .. RP`` zero-filled):
+    ``W`` uint32 words a row, or ``W`` uint16 halfwords of ``INT2`` rows."""
+    WORDS: gl.constexpr = _copy_layout(RP, W, 2 if ROWS == INT2 else 4)
     rows = gl.arange(0, RP, layout=gl.SliceLayout(1, WORDS))
     offsets = gl.expand_dims(rows, 1) * W + gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(0, WORDS)), 0)
     mask = live & gl.expand_dims(rows < R, 1)
@@ -1402,7 +1467,7 @@ def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CH
     one-hot product (``k = RP``; 8 rows padded to 16 with zeros in registers). ``SB``: the one-hot
     operand's layout ``[RP, CHUNK]``; ``ROWS``: the rows' format (:func:`_sparse_meta`); ``FORMAT``:
     the dense streams' (INT4's scores are in units of ``KEY_UNIT``, the others' in scores)."""
-    words = kw_s.index(stage).load(KWR)
+    words = kw_s.index(stage).load(KWR)  # INT2 rows: halfwords, decoded as INT4 words of the same codes
     zeros = gl.zeros([16, RP], gl.float32, layout=MMA)
     if ROWS == NVFP4:  # e2m1 * scale / NVFP4_UNIT, the tile scale on the product
         scale_bytes, tile_scale = meta[0]
@@ -1416,7 +1481,8 @@ def _add_sparse_scores(scores, query, kw_s, stage, meta, c, RP: gl.constexpr, CH
         words = gl.reshape(words, [RP, NG, W // NG])
         S2: gl.constexpr = gl.SliceLayout(2, words.type.layout)
         (c0, c1, c2, c3, c4, c5, c6, c7) = gl.inline_asm_elementwise(
-            _ROW_KEY_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+            _ROW_KEY_INT2_ASM if ROWS == INT2 else _ROW_KEY_ASM,
+            "=h,=h,=h,=h,=h,=h,=h,=h," + ("h" if ROWS == INT2 else "r") + ",h,h",
             [words, gl.expand_dims(gl.convert_layout(scale, S2), 2), gl.expand_dims(gl.convert_layout(minimum, S2), 2)],
             dtype=(gl.float16,) * 8, is_pure=True, pack=1)
         keys = _planes_to_key_tile(gl.reshape(c0, [RP, W]), gl.reshape(c1, [RP, W]), gl.reshape(c2, [RP, W]),
@@ -1458,6 +1524,8 @@ def _add_sparse_values(acc, mins, weights, vw_s, stage, meta, c, RP: gl.constexp
     one_hot = gl.convert_layout(one_hot, B_OP, assert_trivial=True)
     gathered = _top_rows(mma_v2(probabilities, one_hot, gl.zeros([16, RP], gl.float32, layout=MMA)), RP)
     words = vw_s.index(stage).load(VTR)
+    if ROWS == INT2:  # as INT4 words of the same codes
+        words = _int2_row_words(words)
     if ROWS == NVFP4:  # e2m1 * scale / NVFP4_UNIT; the tile's scale on the product
         scale_bytes, unit = meta[1]
         p_rows = gl.permute(gathered.to(gl.float16), [1, 0])  # [RP, 8]
@@ -1899,7 +1967,9 @@ def int4_pages_kernel_v2(
     compact token-axis residual rows (``R3``, ``R4`` per tile) at the
     tokens their positions name (int8 ``[H, pool, R]``), in ``ROWS_FORMAT``:
     INT4 rows grouped like the dense values (after INT4 or NVFP4 streams;
-    their pointer slots as an INT4 stream's), or rows of the dense streams'
+    their pointer slots as an INT4 stream's), affine ``INT2`` rows grouped
+    the same way (their words as uint16 ``[H, pool, R, D/8]``, two bytes per
+    INT4 word), or rows of the dense streams'
     own format, NVFP4 or int4_rotated (their slots as those streams'). With ``MERGE`` the
     last program of each (sequence, KV head) to finish (an atomic counter)
     merges every split's partials and writes the ``GROUP`` output rows of
@@ -1959,7 +2029,7 @@ def int4_pages_kernel_v2(
     RP3: gl.constexpr = _padded_sparse_rows(R3)
     RP4: gl.constexpr = _padded_sparse_rows(R4)
     if SPARSE >= 1:
-        kw3_s, vw3_s = _sparse_buffers(STAGES, RP3, W)
+        kw3_s, vw3_s = _sparse_buffers(STAGES, RP3, W, ROWS_FORMAT)
         KW3: gl.constexpr = _key_words_layout(RP3, W)
         VT3: gl.constexpr = _value_tile_layout(RP3, W)
         KS3: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP3, W], gl.uint32, layout=KW3),
@@ -1976,7 +2046,7 @@ def int4_pages_kernel_v2(
         GB3: gl.constexpr = gl.to_linear_layout(B_OP, [CHUNK, RP3])
         VA3: gl.constexpr = _narrowed(gl.to_linear_layout(A_OP, [D, _product_k(RP3)]), 1, RP3)
     if SPARSE >= 2:
-        kw4_s, vw4_s = _sparse_buffers(STAGES, RP4, W)
+        kw4_s, vw4_s = _sparse_buffers(STAGES, RP4, W, ROWS_FORMAT)
         KW4: gl.constexpr = _key_words_layout(RP4, W)
         VT4: gl.constexpr = _value_tile_layout(RP4, W)
         KS4: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP4, W], gl.uint32, layout=KW4),
@@ -2078,9 +2148,9 @@ def int4_pages_kernel_v2(
             if item == item_first:  # a program's first item copies its own first page
                 tile, live = _entry_tile(first_entry, 0, count, head, pool_pages)
                 _copy_page(key_tiles, 0, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                           FORMAT)
+                           FORMAT, ROWS_FORMAT)
                 _copy_page(value_tiles, 0, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                           FORMAT)
+                           FORMAT, ROWS_FORMAT)
                 async_copy.commit_group()
         else:
             # Pages copied before the loop: STAGES - 1 ahead; staggered (one stage), the first page, its keys
@@ -2091,11 +2161,11 @@ def int4_pages_kernel_v2(
                 else:
                     tile, live = _page_tile(s, count, first, seq, head, table_ptr, pool_pages, max_pages)
                 _copy_page(key_tiles, s, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                           FORMAT)
+                           FORMAT, ROWS_FORMAT)
                 if STAGGERED:
                     async_copy.commit_group()
                 _copy_page(value_tiles, s, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                           FORMAT)
+                           FORMAT, ROWS_FORMAT)
                 async_copy.commit_group()
 
         B8: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
@@ -2133,9 +2203,10 @@ def int4_pages_kernel_v2(
             for step in range(count - 1):
                 ahead = (step + STAGES - 1) % STAGES
                 tile, live = _page_tile(step + STAGES - 1, count, first, seq, head, table_ptr, pool_pages, max_pages)
-                _copy_page(key_tiles, ahead, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT)
+                _copy_page(key_tiles, ahead, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG, FORMAT,
+                           ROWS_FORMAT)
                 _copy_page(value_tiles, ahead, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                           FORMAT)
+                           FORMAT, ROWS_FORMAT)
                 async_copy.commit_group()
                 current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
                 scores = _mask_chunk(ahead_scores, (first + step) * PAGE, tokens, current_live, packed_end, SINK, PAGE)
@@ -2193,9 +2264,9 @@ def int4_pages_kernel_v2(
                         tile = gl.where(step + 1 < count, tile, n_tile)
                         live = gl.where(step + 1 < count, live, n_live)
                     _copy_page(key_tiles, ahead, tile, live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                               FORMAT)
+                               FORMAT, ROWS_FORMAT)
                     _copy_page(value_tiles, ahead, tile, live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                               FORMAT)
+                               FORMAT, ROWS_FORMAT)
                     async_copy.commit_group()
                     if STAGES == 2:
                         following = tile
@@ -2260,7 +2331,7 @@ def int4_pages_kernel_v2(
                     if STAGGERED:
                         if c == PAGE // CHUNK - 1:  # every key tile of the page is read
                             _copy_page(key_tiles, 0, following, following_live, True, STREAMS, SPARSE, R3, RP3, R4, RP4,
-                                       PAGE, W, D, NG, FORMAT)
+                                       PAGE, W, D, NG, FORMAT, ROWS_FORMAT)
                             async_copy.commit_group()
                     scores = _fold_rows(both, CHUNK)  # [8, CHUNK], INT4: in units of KEY_UNIT (x TO_SCORES)
                     scores = _mask_chunk(scores, (first + step) * PAGE + c * CHUNK, tokens, current_live, packed_end, SINK,
@@ -2291,15 +2362,15 @@ def int4_pages_kernel_v2(
                                                        MMA, A_OP, B_OP, VT4, GB4, VA4, SCALED, ROWS_FORMAT)
                 if STAGGERED:  # every value tile of the page is read
                     _copy_page(value_tiles, 0, following, following_live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE,
-                               W, D, NG, FORMAT)
+                               W, D, NG, FORMAT, ROWS_FORMAT)
                     async_copy.commit_group()
         if PERSIST > 0:
             if count == 0:  # no page of this item copied the next item's first page
                 async_copy.wait_group(0)
                 _copy_page(key_tiles, base, n_tile, n_live, True, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D, NG,
-                           FORMAT)
+                           FORMAT, ROWS_FORMAT)
                 _copy_page(value_tiles, base, n_tile, n_live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE, W, D,
-                           NG, FORMAT)
+                           NG, FORMAT, ROWS_FORMAT)
                 async_copy.commit_group()
             base = (base + count) % STAGES
         else:

@@ -48,6 +48,9 @@ from ..codecs import CodecSpec, rotate_by_product
 from . import _dispatch
 
 FUSED_FORMATS = pallas_decode.FUSED_FORMATS
+ROW_FORMATS = (*FUSED_FORMATS, "int2")
+"""Formats of sparse rows a fused kernel reads: :data:`FUSED_FORMATS` and affine INT2 (the Gluon kernel's
+row path; the Pallas kernel raises ``NotImplementedError`` for them)."""
 BACKENDS = ("xla", "pallas", "gluon")
 
 
@@ -165,16 +168,21 @@ class KernelPlan:
 def kernel_plan(config: CacheConfig, loop: int) -> KernelPlan:
     """The :class:`KernelPlan` of loops ``0..loop`` (static, so worked out once per config and loop).
 
+    A plan says no more than that some fused kernel may read the chain: each backend checks its own
+    layouts (the Pallas kernel's ``unsupported_reason``, the Gluon kernel's).
+
     Raises:
-      NotImplementedError: a stream no fused kernel reads (lattice, INT2 (either)
-        and INT3 formats), a chain not in one basis (either no stream is rotated, or
-        every K (or V) stream is ``int4_rotated`` with one seed), or a layout
-        the Pallas kernel does not read (its ``unsupported_reason``).
+      NotImplementedError: a stream no fused kernel reads (lattice, INT2 Lloyd-Max,
+        INT3, dense affine INT2: :data:`FUSED_FORMATS`, and affine INT2 as
+        sparse rows, :data:`ROW_FORMATS`), or a chain not in one basis (either no
+        stream is rotated, or every K (or V) stream is ``int4_rotated`` with one seed).
     """
     seeds = []
     for role in ("key_spec", "value_spec"):
-        specs = [getattr(config.loops[i], role) for i in range(config.chain_start(loop), loop + 1)]
-        unsupported = [s.format for s in specs if s.format not in FUSED_FORMATS]
+        chain = [config.loops[i] for i in range(config.chain_start(loop), loop + 1)]
+        specs = [getattr(storage, role) for storage in chain]
+        unsupported = [spec.format for storage, spec in zip(chain, specs, strict=True)
+                       if spec.format not in (ROW_FORMATS if storage.is_sparse else FUSED_FORMATS)]
         if unsupported:
             raise NotImplementedError(f"the fused kernel does not read {unsupported[0]!r} streams")
         rotated = {s.rotation_seed for s in specs if s.format == "int4_rotated"}
@@ -184,11 +192,7 @@ def kernel_plan(config: CacheConfig, loop: int) -> KernelPlan:
                 "seed, or none rotated"
             )
         seeds.append(rotated.pop() if rotated else None)
-    loops = loop_formats(config, loop)
-    reason = pallas_decode.unsupported_reason(loops, config.head_dim, config.page_size)
-    if reason:
-        raise NotImplementedError(reason)
-    return KernelPlan(loops, seeds[0], seeds[1])
+    return KernelPlan(loop_formats(config, loop), seeds[0], seeds[1])
 
 
 def kernel_rotations(cache: PagedKVCache, loop: int, layer: int = 0) -> tuple[int | None, int | None]:
@@ -352,6 +356,9 @@ def _gluon(queries, cache, layer, loop, *, include_pending, scale, kernel_config
 def _pallas(queries, cache, layer, loop, *, include_pending, scale, kernel_config, interpret, poison):
     plan = kernel_plan(cache.config.layer(layer), loop)
     c = cache.config
+    reason = pallas_decode.unsupported_reason(plan.loops, c.head_dim, c.page_size)
+    if reason:  # before any input is built (the kernel checks again)
+        raise NotImplementedError(reason)
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)
     output = pallas_decode.paged_decode_attention(
