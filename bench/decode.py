@@ -44,9 +44,12 @@ HEAD_DIM = 128
 SHAPES = list(arg_specs.DECODE_SHAPES)
 
 
-def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_dim=HEAD_DIM, direct_loop=False):
+def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_dim=HEAD_DIM, direct_loop=False,
+                row_format=None, row_counts=None):
     """``value_format``: "int4" (FlashLoop policy), "nvfp4" or "int4_rotated" (every stream, the sparse
-    rows too); ``direct_loop``: loop 2 stored on its own (``CacheConfig.flashloop(direct_loop=True)``)."""
+    rows too); ``direct_loop``: loop 2 stored on its own (``CacheConfig.flashloop(direct_loop=True)``);
+    ``row_format`` ("int4" or "int2", affine, grouped like the dense values) and ``row_counts`` (rows of
+    loops 3 and 4 per page): the sparse loops' rows instead of the policy's."""
     page_size = 64
     pages = tokens // page_size
     config = CacheConfig.flashloop(
@@ -60,6 +63,13 @@ def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_di
         keys, values = codecs[value_format]
         config = dataclasses.replace(config, loops=tuple(
             dataclasses.replace(loop, key_spec=keys, value_spec=values) for loop in config.loops))
+    if row_format is not None or row_counts is not None:
+        rows = jflashloop.CodecSpec(row_format or "int4", "token", config.loops[0].value_spec.group_size)
+        counts = iter(row_counts or (None, None))
+        config = dataclasses.replace(config, loops=tuple(
+            dataclasses.replace(loop, key_spec=rows, value_spec=rows,
+                                sparse_rows_per_page=next(counts) or loop.sparse_rows_per_page) if loop.is_sparse else loop
+            for loop in config.loops))
     return config
 
 
@@ -71,7 +81,7 @@ def random_stream(key, stream, pages):
         scale = jax.random.uniform(keys[1], stream.scale.shape, minval=0.01, maxval=0.1)
         bits = (jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFFFFFFF0)) | jnp.uint32(7)
         return dataclasses.replace(stream, payload=payload, scale=jax.lax.bitcast_convert_type(bits, jnp.float32))
-    if stream.spec.format == "int4":
+    if stream.spec.format in ("int4", "int2"):
         scale = jax.random.uniform(keys[1], stream.scale.shape, minval=0.01, maxval=0.1).astype(jnp.float16)
         minimum = jax.random.uniform(keys[2], stream.minimum.shape, minval=-0.8, maxval=-0.1).astype(jnp.float16)
         return dataclasses.replace(stream, payload=payload, scale=scale, minimum=minimum)

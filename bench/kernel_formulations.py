@@ -296,6 +296,9 @@ def main() -> int:
                         help="loop 2 stored on its own, not as a residual (CacheConfig.flashloop(direct_loop=True)); "
                              "loop 1 reads the base stream either way")
     parser.add_argument("--loops", type=int, default=1, help="loop of the FlashLoop chain to read (1-4)")
+    parser.add_argument("--rows", default=None,
+                        help="the sparse loops' rows as FORMAT:R3/R4 (FORMAT int4 or int2, affine, grouped like the "
+                             "dense values), e.g. int2:24/10; default: the policy's (INT4 16/7)")
     parser.add_argument("--shared", action="store_true",
                         help="every sequence reads the same pages (a forked prompt); bytes counted per sequence")
     parser.add_argument("--device-time", action="store_true",
@@ -314,6 +317,11 @@ def main() -> int:
                              "(use_rotation)")
     args = parser.parse_args()
     args.direct_loop = args.direct_loop and args.loops > 1  # loop 1 reads the base stream either way
+    row_options = {}
+    if args.rows:
+        row_format, _, counts = args.rows.partition(":")
+        row_options = dict(row_format=row_format,
+                           row_counts=tuple(int(c) for c in counts.split("/")) if counts else None)
     use_rotation(args.rotation)
     if jax.default_backend() != "gpu":
         print("needs a CUDA GPU", file=sys.stderr)
@@ -321,7 +329,7 @@ def main() -> int:
     if args.profile:
         name, sequences, q_heads, kv_heads, tokens, head_dim = SHAPES[args.shape]
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
-                                   direct_loop=args.direct_loop)
+                                   direct_loop=args.direct_loop, **row_options)
         cache = bench.random_cache(config, tokens, 0)
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
         if args.whole:  # every kernel of one whole call each, between cudaProfilerStart/Stop
@@ -339,7 +347,8 @@ def main() -> int:
         return 0
     bandwidth = bench.copy_bandwidth()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; plain copy {bandwidth:.2f} TB/s; "
-          f"{args.value_format} loop {args.loops}{', loop 2 direct' if args.direct_loop else ''}{'; every sequence on the same pages' if args.shared else ''}"
+          f"{args.value_format} loop {args.loops}{', loop 2 direct' if args.direct_loop else ''}"
+          f"{f', rows {args.rows}' if args.rows else ''}{'; every sequence on the same pages' if args.shared else ''}"
           f"{f'; {args.repeats} calls per jitted function' if args.device_time else ''}", flush=True)
     spans = args.device_time and args.timeline is not None
     queues = args.device_time
@@ -383,7 +392,7 @@ def main() -> int:
               flush=True)
         loop = args.loops - 1
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
-                                   direct_loop=args.direct_loop)
+                                   direct_loop=args.direct_loop, **row_options)
         bytes_read = bench.kernel_bytes(config, tokens, loop)
         caches = [bench.random_cache(config, tokens, i, shared=args.shared)
                   for i in range(bench.copies_for(bytes_read))]
