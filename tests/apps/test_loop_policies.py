@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jflashloop import INT4_KEYS, INT4_VALUES, NVFP4, CodecSpec, LoopStorage, int2_lloyd_max
+from jflashloop import INT4_KEYS, INT4_VALUES, NVFP4, CacheConfig, CodecSpec, LoopStorage, int2_lloyd_max
 from jflashloop.apps import loops
 from jflashloop.apps.loops import policies
 from jflashloop.models import ouro
@@ -21,6 +21,18 @@ SMALL = dataclasses.replace(TINY, layers=1, kv_heads=2)
 def test_the_flashloop_entry_is_the_flashloop_preset():
     config = policies.policy_config(policies.FLASHLOOP, TINY, sequences=2, max_tokens=512)
     assert config == loops.cross_loop_cache_config(TINY, 2, 512)
+
+
+def test_the_compact_entry_is_the_compact_preset():
+    config = policies.policy_config(policies.COMPACT_LOOPS, TINY, sequences=2, max_tokens=512)
+    preset = CacheConfig.compact_loops(
+        num_layers=TINY.layers, num_kv_heads=TINY.kv_heads, head_dim=TINY.head_dim, num_pages=config.num_pages,
+        max_sequences=2, max_pages_per_sequence=config.max_pages_per_sequence, recent_tokens=config.recent_tokens)
+    assert preset == config
+    assert policies.bytes_per_token(config)[0] == 2652.5
+    with pytest.raises(ValueError, match="needs num_loops >= 2"):
+        CacheConfig.compact_loops(num_layers=1, num_kv_heads=1, head_dim=64, num_pages=1, max_sequences=1,
+                                  max_pages_per_sequence=1, num_loops=1)
 
 
 def test_loop_storage_reads_each_kind_of_entry():

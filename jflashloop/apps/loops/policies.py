@@ -56,8 +56,13 @@ FLASHLOOP = ("int4", "int4", "int4 16", "int4 7")
 """FlashLoop's policy at 64-token pages: INT4 base, dense INT4 residual, sparse INT4 rows for 25 % and
 10 % of each page (rounded up)."""
 
+COMPACT_LOOPS = ("int4", "direct int4", "int2a 24", "int2a 10")
+"""``CacheConfig.compact_loops``'s policy at 64-token pages: INT4 base, dense INT4 loop 2 stored on its own,
+affine INT2 G64 rows for 37.5 % and 15 % of each page."""
+
 POLICIES: dict[str, tuple[str, ...]] = {
     "flashloop": FLASHLOOP,
+    "compact loops": COMPACT_LOOPS,
     "flashloop, nvfp4 rows": ("int4", "int4", "nvfp4 16", "nvfp4 7"),
     "flashloop, int2 rows": ("int4", "int4", "int2 16", "int2 7"),
     "flashloop, rows 8/1": ("int4", "int4", "int4 8", "int4 1"),
