@@ -95,6 +95,7 @@ def _cases(rng):
         "_ROTATED_VALUE_PAIR_ASM": (pair + ",h,h,h,h", [_words(rng), _words(rng), low, low_odd, high, high_odd]),
         "_ROW_KEY_ASM": (keys + ",h,h", [_words(rng), scale, minimum]),
         "_ROW_KEY_INT2_ASM": ("=h," * 8 + "h,h,h", [_halfwords(rng), scale, minimum]),
+        "_INT2_VALUE_CODES_ASM": ("=h," * 16 + "h,h", [_halfwords(rng), _halfwords(rng)]),
         "_SCATTER_ONE_HOT_ASM": ("=h,=h,r,r", _one_hot_inputs(rng)),
         "_GATHER_ONE_HOT_ASM": ("=h,=h,r,r", _one_hot_inputs(rng)),
     }

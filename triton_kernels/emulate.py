@@ -254,6 +254,8 @@ def _asm_table():
         gluon_decode._INT2_ROW_WORD_ASM.value: _int2_row_words,
         gluon_decode._ROW_KEY_INT2_ASM.value: lambda halfwords, scale, minimum: _row_keys(
             _int2_row_words(halfwords), scale, minimum),
+        gluon_decode._INT2_VALUE_CODES_ASM.value: lambda even, odd: _value_codes(
+            _int2_row_words(even), _int2_row_words(odd)),
         gluon_decode._ROTATED_KEY_ASM.value: _rotated_keys,
         gluon_decode._ROTATED_VALUE_PAIR_ASM.value: _rotated_value_pairs,
         gluon_decode._KEY_CODES_ASM.value: _key_codes,

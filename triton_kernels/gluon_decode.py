@@ -485,6 +485,27 @@ def _value_codes_asm() -> str:
 
 _VALUE_CODES_ASM = gl.constexpr(_value_codes_asm())
 
+
+def _int2_value_codes_asm() -> str:
+    """Two tokens' affine INT2 halfwords (``$16`` even, ``$17`` odd) -> the 8 float16 pairs
+    :func:`_value_codes_asm` gives for INT4 words of the same codes: code ``i`` (bits ``2i``) of each token
+    shifted to bits 0-1 (even ``i``) or 4-5 (odd ``i``) of its half, by one shift and one ``and``."""
+    lines = ["{", ".reg .b32 x, e, o, a;", "cvt.u32.u16 e, $16;", "cvt.u32.u16 o, $17;",
+             "prmt.b32 x, e, o, 0x5410;"]
+    for code in range(8):
+        shift = 2 * code - 4 * (code % 2)  # right by this much (left where negative)
+        mask = "0x00300030" if code % 2 else "0x00030003"
+        if shift > 0:
+            lines.append(f"shr.u32 a, x, {shift};")
+        elif shift < 0:
+            lines.append(f"shl.b32 a, x, {-shift};")
+        lines += [f"and.b32 a, {'x' if shift == 0 else 'a'}, {mask};", f"mov.b32 {{${2 * code}, ${2 * code + 1}}}, a;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_INT2_VALUE_CODES_ASM = gl.constexpr(_int2_value_codes_asm())
+
 # NVFP4: an E2M1 nibble (sign in bit 3) placed in a float16's high byte as
 # ``sign << 7 | magnitude << 1`` (low byte 0) is the value / 2**14 (0.5 as the
 # subnormal 2**-15); x the E4M3 scale gives ``e2m1 * scale / 2**14`` (rounded only
@@ -1284,6 +1305,17 @@ def _value_codes(words, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, A_
 
 
 @gluon.jit
+def _int2_value_codes(halfwords, PAGE: gl.constexpr, W: gl.constexpr, D: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """Affine INT2 value rows' halfwords uint16 ``[PAGE, W]`` (one per INT4 word) -> what :func:`_value_codes`
+    gives for INT4 words of the same codes."""
+    even, odd = gl.split(gl.permute(gl.reshape(halfwords, [PAGE // 2, 2, W]), [0, 2, 1]))
+    (e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7) = gl.inline_asm_elementwise(
+        _INT2_VALUE_CODES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,h,h", [even, odd],
+        dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    return _pairs_to_value_tile(e0, o0, e1, o1, e2, o2, e3, o3, e4, o4, e5, o5, e6, o6, e7, o7, PAGE, W, D, A_LAYOUT)
+
+
+@gluon.jit
 def _scaled_weights(weights, scale, NG: gl.constexpr, K: gl.constexpr):
     """float32 ``weights [8, K]`` (row ``n``: query row ``n % GP`` of scale group ``n // GP``) times the K
     tokens' ``scale [NG, K]`` (float16, in the slice layout of ``weights`` reshaped ``[NG, GP, K]``):
@@ -1524,7 +1556,7 @@ def _add_sparse_values(acc, mins, weights, vw_s, stage, meta, c, RP: gl.constexp
     one_hot = gl.convert_layout(one_hot, B_OP, assert_trivial=True)
     gathered = _top_rows(mma_v2(probabilities, one_hot, gl.zeros([16, RP], gl.float32, layout=MMA)), RP)
     words = vw_s.index(stage).load(VTR)
-    if ROWS == INT2:  # as INT4 words of the same codes
+    if ROWS == INT2 and not SCALED:  # as INT4 words of the same codes (scaled: codes straight from halfwords)
         words = _int2_row_words(words)
     if ROWS == NVFP4:  # e2m1 * scale / NVFP4_UNIT; the tile's scale on the product
         scale_bytes, unit = meta[1]
@@ -1539,7 +1571,10 @@ def _add_sparse_values(acc, mins, weights, vw_s, stage, meta, c, RP: gl.constexp
         scaled, row_mins = _scaled_probabilities(gathered, scale, minimum, NG, RP)
         mins = mins + gl.convert_layout(row_mins, mins.type.layout, assert_trivial=True)
         p_rows = gl.permute(scaled, [1, 0])  # [RP, 8]
-        values = _value_codes(words, RP, W, D, VA)
+        if ROWS == INT2:
+            values = _int2_value_codes(words, RP, W, D, VA)
+        else:
+            values = _value_codes(words, RP, W, D, VA)
     else:
         scale, minimum = meta[1]
         p_rows = gl.permute(gathered.to(gl.float16), [1, 0])  # [RP, 8]
