@@ -9,7 +9,15 @@ import jax
 import numpy as np
 import pytest
 
-from jflashloop import INT4_KEYS, INT4_VALUES, NVFP4, CacheConfig, CodecSpec, LoopStorage, int2_lloyd_max
+from jflashloop import (
+    INT4_KEYS,
+    INT4_VALUES,
+    NVFP4,
+    CacheConfig,
+    CodecSpec,
+    LoopStorage,
+    int2_lloyd_max,
+)
 from jflashloop.apps import loops
 from jflashloop.apps.loops import policies
 from jflashloop.models import ouro
