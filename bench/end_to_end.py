@@ -119,6 +119,7 @@ class Model:
     focus: tuple[int, int]  # (batch, context) of the target, the breakdown and the trace
     weight_dtype: Any = jnp.bfloat16  # the Llama model's weights (the looped model's are bfloat16)
     direct_loop: bool = False  # the looped model's loop 2 stored on its own (CacheConfig.flashloop(direct_loop=True))
+    compact: bool = False  # the looped model's cache as CacheConfig.compact_loops (affine INT2 rows 24/10)
 
     @property
     def layers(self) -> int:
@@ -158,6 +159,8 @@ class Model:
         pages = math.ceil(tokens / 64)
         common = dict(num_layers=self.layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
                       num_pages=batch * pages, max_sequences=batch, max_pages_per_sequence=pages)
+        if self.looped and self.compact:
+            return CacheConfig.compact_loops(num_loops=self.loops, **common)
         if self.looped:
             return CacheConfig.flashloop(num_loops=self.loops, direct_loop=self.direct_loop, **common)
         return CacheConfig(**common)  # INT4: K per channel, V per token, groups of 64, 4 sink + 16 recent tokens
@@ -708,6 +711,9 @@ def parse_args(argv=None):
     parser.add_argument("--direct-loop", action="store_true",
                         help="the looped model's loop 2 stored on its own, not as a residual against loop 1 (same "
                              "bytes; loops 2-4 then read no loop-1 stream)")
+    parser.add_argument("--compact-loops", action="store_true",
+                        help="the looped model's cache as CacheConfig.compact_loops (loop 2 direct, affine INT2 rows "
+                             "for 24 and 10 of each page's 64 tokens)")
     parser.add_argument("--float32-weights", action="store_true",
                         help="the Llama model's weights and products in float32 (default bfloat16)")
     parser.add_argument("--seed", type=int, default=0)
@@ -737,6 +743,8 @@ def main(argv=None) -> int:
         all_models = {name: dataclasses.replace(model, weight_dtype=jnp.float32) for name, model in all_models.items()}
     if args.direct_loop:
         all_models = {name: dataclasses.replace(model, direct_loop=model.looped) for name, model in all_models.items()}
+    if args.compact_loops:
+        all_models = {name: dataclasses.replace(model, compact=model.looped) for name, model in all_models.items()}
     runner = Runner(args)
     work = plan(args, all_models)
     trace_directory = pathlib.Path(args.trace) if args.trace else None
