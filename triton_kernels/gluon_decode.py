@@ -640,67 +640,36 @@ def _rotated_value_pair_asm() -> str:
 
 _ROTATED_VALUE_PAIR_ASM = gl.constexpr(_rotated_value_pair_asm())
 
-# Token-axis INT4 key rows (sparse residuals): a word and its row's (scale, min) -> 8 dequantized float16.
-_ROW_KEY_ASM = gl.constexpr("""{
-.reg .b32 a, b, c, d, t, k, e, o, s, m;
-mov.b32 k, 0x64006400;
-mov.b32 e, 0x2C002C00;
-mov.b32 o, 0xD400D400;
-mov.b32 s, {$9, $9};
-mov.b32 m, {$10, $10};
-lop3.b32 a, $8, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 b, $8, 0x00F000F0, 0x64006400, 0xEA;
-shr.u32 t, $8, 8;
-lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 a, a, k;
-fma.rn.f16x2 b, b, e, o;
-sub.f16x2 c, c, k;
-fma.rn.f16x2 d, d, e, o;
-fma.rn.f16x2 a, a, s, m;
-fma.rn.f16x2 b, b, s, m;
-fma.rn.f16x2 c, c, s, m;
-fma.rn.f16x2 d, d, s, m;
-mov.b32 {$0, $4}, a;
-mov.b32 {$1, $5}, b;
-mov.b32 {$2, $6}, c;
-mov.b32 {$3, $7}, d;
-}""")
+def _row_key_asm(registers: str, codes: list[str]) -> str:
+    """PTX for a token-axis key row's codes and its row's (scale, min) (``$9``, ``$10``) -> 8 dequantized
+    float16 ``code * scale + min``: ``codes`` leaves the pairs of codes ``(i, i + 4)`` as float16 in registers
+    ``a, b, c, d`` (``i`` = 0..3); outputs ``$i`` and ``$i+4``. ``registers``: more ``.reg`` names."""
+    lines = ["{", f".reg .b32 a, b, c, d, s, m, {registers};", "mov.b32 s, {$9, $9};", "mov.b32 m, {$10, $10};",
+             *codes]
+    lines += [f"fma.rn.f16x2 {r}, {r}, s, m;" for r in "abcd"]
+    lines += [f"mov.b32 {{${i}, ${i + 4}}}, {r};" for i, r in enumerate("abcd")]
+    return "\n".join([*lines, "}"])
 
-# Token-axis affine INT2 key rows: a halfword (8 two-bit codes) and its row's (scale, min) -> the same 8
-# dequantized float16 as _ROW_KEY_ASM gives for an INT4 word of those codes. Its two bytes to the word's halves
-# (prmt), then the codes (c_i, c_i+4) at 4**i: 1024 + 4**i c as float16 (exact), less 1024 times 4**-i.
-_ROW_KEY_INT2_ASM = gl.constexpr("""{
-.reg .b32 x, z, a, b, c, d, k, e, f, g, o, p, q, s, m;
-cvt.u32.u16 x, $8;
-mov.b32 z, 0;
-prmt.b32 x, x, z, 0x4140;
-mov.b32 k, 0x64006400;
-mov.b32 e, 0x34003400;
-mov.b32 o, 0xDC00DC00;
-mov.b32 f, 0x2C002C00;
-mov.b32 p, 0xD400D400;
-mov.b32 g, 0x24002400;
-mov.b32 q, 0xCC00CC00;
-mov.b32 s, {$9, $9};
-mov.b32 m, {$10, $10};
-lop3.b32 a, x, 0x00030003, 0x64006400, 0xEA;
-lop3.b32 b, x, 0x000C000C, 0x64006400, 0xEA;
-lop3.b32 c, x, 0x00300030, 0x64006400, 0xEA;
-lop3.b32 d, x, 0x00C000C0, 0x64006400, 0xEA;
-sub.f16x2 a, a, k;
-fma.rn.f16x2 b, b, e, o;
-fma.rn.f16x2 c, c, f, p;
-fma.rn.f16x2 d, d, g, q;
-fma.rn.f16x2 a, a, s, m;
-fma.rn.f16x2 b, b, s, m;
-fma.rn.f16x2 c, c, s, m;
-fma.rn.f16x2 d, d, s, m;
-mov.b32 {$0, $4}, a;
-mov.b32 {$1, $5}, b;
-mov.b32 {$2, $6}, c;
-mov.b32 {$3, $7}, d;
-}""")
+
+# Token-axis INT4 key rows (sparse residuals): a word -> its nibbles (i, i + 4) as 1024 + code by lop3 (16 code
+# for odd i), less 1024 (x 1/16 less 64).
+_ROW_KEY_ASM = gl.constexpr(_row_key_asm("t, k, e, o", [
+    "mov.b32 k, 0x64006400;", "mov.b32 e, 0x2C002C00;", "mov.b32 o, 0xD400D400;",
+    "lop3.b32 a, $8, 0x000F000F, 0x64006400, 0xEA;", "lop3.b32 b, $8, 0x00F000F0, 0x64006400, 0xEA;",
+    "shr.u32 t, $8, 8;",
+    "lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;", "lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;",
+    "sub.f16x2 a, a, k;", "fma.rn.f16x2 b, b, e, o;", "sub.f16x2 c, c, k;", "fma.rn.f16x2 d, d, e, o;"]))
+
+# Token-axis affine INT2 key rows: a halfword (8 two-bit codes) -> the same 8 dequantized float16 as
+# _ROW_KEY_ASM gives for an INT4 word of those codes. Its two bytes to the word's halves (prmt), then the codes
+# (c_i, c_i+4) at 4**i: 1024 + 4**i c as float16 (exact), less 1024 times 4**-i.
+_ROW_KEY_INT2_ASM = gl.constexpr(_row_key_asm("x, z, k, e, f, g, o, p, q", [
+    "cvt.u32.u16 x, $8;", "mov.b32 z, 0;", "prmt.b32 x, x, z, 0x4140;",
+    "mov.b32 k, 0x64006400;", "mov.b32 e, 0x34003400;", "mov.b32 o, 0xDC00DC00;", "mov.b32 f, 0x2C002C00;",
+    "mov.b32 p, 0xD400D400;", "mov.b32 g, 0x24002400;", "mov.b32 q, 0xCC00CC00;",
+    "lop3.b32 a, x, 0x00030003, 0x64006400, 0xEA;", "lop3.b32 b, x, 0x000C000C, 0x64006400, 0xEA;",
+    "lop3.b32 c, x, 0x00300030, 0x64006400, 0xEA;", "lop3.b32 d, x, 0x00C000C0, 0x64006400, 0xEA;",
+    "sub.f16x2 a, a, k;", "fma.rn.f16x2 b, b, e, o;", "fma.rn.f16x2 c, c, f, p;", "fma.rn.f16x2 d, d, g, q;"]))
 
 
 @gluon.constexpr_function
