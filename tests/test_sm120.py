@@ -103,6 +103,11 @@ def test_gluon_stages_fit_the_target():
                                              sparse_rows=(16,)) == 1
     with pytest.raises(ValueError, match="shared memory"):
         gluon_launch.pipelined_stages(capability=120, sparse_rows=(128, 128), **chain)
+    # affine INT2 rows: half the rows' bytes (compact_loops: one dense stream, 24 and 10 rows padded to 32 and 16)
+    compact = dict(head_dim=128, page_size=64, stages=1, sparse_rows=(24, 10))
+    dense = gluon_launch.pipelined_shared_bytes(head_dim=128, page_size=64, stages=1)
+    assert gluon_launch.pipelined_shared_bytes(**compact) - dense == 48 * 2 * 64  # INT4 rows: 64 bytes a row
+    assert gluon_launch.pipelined_shared_bytes(**compact, row_format="int2") - dense == 48 * 2 * 32
 
 
 PTX = """

@@ -260,7 +260,7 @@ def _gluon(kernel: str = "pipelined", **sizes) -> Callable[[int], Compiled]:
                             compiled.metadata.num_stages if kernel == "triton" else 1)
         shape = dict(head_dim=sizes.get("head_dim", 128), page_size=sizes.get("page_size", 64),
                      format=sizes.get("format", "int4"), streams=sizes.get("streams", 1),
-                     sparse_rows=sizes.get("sparse", ()))
+                     sparse_rows=sizes.get("sparse", ()), row_format=sizes.get("rows_format", "int4"))
         stages = launch.pipelined_stages(capability=capability, **shape)
         compiled = compile_check.compile_pages_kernel(kernel, capability=capability, stages=stages, **sizes)
         return Compiled(compiled.asm["ptx"], compiled.metadata.shared, compiled.metadata.num_warps, stages,
@@ -304,6 +304,8 @@ def all_cases() -> tuple[Case, ...]:
         Case("gluon pipelined int4_rotated full chain D128 P64",
              _gluon(format="int4_rotated", rows_format="int4_rotated", value_group=128, streams=2, sparse=(16, 7),
                     window="*fp32")),
+        Case("gluon pipelined int4 compact loops D128 P64",
+             _gluon(rows_format="int2", streams=1, sparse=(24, 10), stagger=True, group=1)),
         Case("gluon pipelined int4 D64 P64", _gluon(head_dim=64)),
         Case("gluon pipelined int4 D256 P64", _gluon(head_dim=256)),
         Case("gluon pipelined int4 dense chain D256 P128", _gluon(head_dim=256, page_size=128, streams=2)),

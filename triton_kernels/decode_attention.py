@@ -478,7 +478,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
             if capability is None else launch.pipelined_stages(
                 capability=capability, head_dim=head_dim, page_size=page_size, format=loops[0].keys.format,
                 value_group=loops[0].values.group_size, streams=streams_read, sparse_rows=sparse_rows,
-                overlap=overlap)
+                overlap=overlap, row_format=loops[dense].keys.format if sparse else "int4")
     if default_overlap and stages < 2:  # too little shared memory for a page in flight
         overlap = False
     if merge is None:  # measured: bench/KERNEL_NOTES.md ("Splits, merges and the custom-call target at 48 calls")

@@ -77,7 +77,8 @@ def padded_sparse_rows(rows: int) -> int:
 
 
 def pipelined_shared_bytes(*, head_dim: int, page_size: int, stages: int, format: str = "int4",
-                           value_group: int = 64, streams: int = 1, sparse_rows: tuple[int, ...] = ()) -> int:
+                           value_group: int = 64, streams: int = 1, sparse_rows: tuple[int, ...] = (),
+                           row_format: str = "int4") -> int:
     """Shared memory of the pipelined Gluon kernel, bytes (its allocations, exactly).
 
     Args:
@@ -87,6 +88,8 @@ def pipelined_shared_bytes(*, head_dim: int, page_size: int, stages: int, format
         ``value_group``), ``"nvfp4"`` or ``"int4_rotated"``.
       streams: dense loops read (1, or 2 for a dense chain).
       sparse_rows: stored rows per page of sparse loops 3-4.
+      row_format: their format: ``"int2"`` (affine) rows take half the bytes of the others (a uint16
+        halfword per INT4 word).
     """
     words = page_size * head_dim  # key and value words: page_size x head_dim / 8 uint32 each
     metadata = {
@@ -94,7 +97,8 @@ def pipelined_shared_bytes(*, head_dim: int, page_size: int, stages: int, format
         "nvfp4": 2 * page_size * (head_dim // 16),  # E4M3 bytes of keys and values
         "int4_rotated": 2 * page_size * 4,  # one float32 per row, keys and values
     }[format]
-    sparse = sum(2 * padded_sparse_rows(rows) * head_dim // 2 for rows in sparse_rows)  # key + value words
+    row_bytes = head_dim // 4 if row_format == "int2" else head_dim // 2  # a row's key (or value) codes
+    sparse = sum(2 * padded_sparse_rows(rows) * row_bytes for rows in sparse_rows)  # key + value words
     return stages * (streams * (words + metadata) + sparse)
 
 
@@ -255,7 +259,7 @@ def preferred_maxnreg(format: str) -> int | None:
 
 def pipelined_stages(*, capability: int, head_dim: int, page_size: int, format: str = "int4",
                      value_group: int = 64, streams: int = 1, sparse_rows: tuple[int, ...] = (),
-                     overlap: bool = False) -> int:
+                     overlap: bool = False, row_format: str = "int4") -> int:
     """``STAGES`` for ``sm_<capability>``: :func:`preferred_stages`, or fewer where it would not fit.
 
     Raises:
@@ -263,7 +267,7 @@ def pipelined_stages(*, capability: int, head_dim: int, page_size: int, format: 
     """
     budget = launch.shared_memory_per_block(capability)
     sizes = dict(head_dim=head_dim, page_size=page_size, format=format, value_group=value_group,
-                 streams=streams, sparse_rows=sparse_rows)
+                 streams=streams, sparse_rows=sparse_rows, row_format=row_format)
     for stages in range(preferred_stages(streams=streams, sparse_rows=sparse_rows, overlap=overlap), 0, -1):
         if pipelined_shared_bytes(stages=stages, **sizes) <= budget:
             return stages
