@@ -406,9 +406,10 @@ def decode_attention(
         the cache and ``jax_triton`` is installed, else the Pallas kernel; the
         reference path elsewhere and wherever no kernel reads the cache; see
         :func:`gluon_is_default`), ``"gluon"`` (the Gluon kernel: int4, nvfp4
-        or int4_rotated streams, loop chains of 1-4 with sparse loops; GPU
-        only), ``"pallas"`` (the Pallas kernel; interpret mode off GPU, slow,
-        for tests), or ``"xla"`` (the reference path).
+        or int4_rotated streams, loop chains of 1-4 with sparse loops, whose
+        rows may also be affine INT2; GPU only), ``"pallas"`` (the Pallas
+        kernel, no INT2 rows; interpret mode off GPU, slow, for tests), or
+        ``"xla"`` (the reference path).
       interpret: run the Pallas kernel in interpret mode; None: off a GPU only
         (True runs the kernel's logic in interpret mode on a GPU host too).
       kernel_config: ``jflashloop_pallas_kernels.decode_attention.KernelConfig``
