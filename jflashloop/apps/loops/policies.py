@@ -96,6 +96,9 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "flashloop, direct loop 2 in layers 1-2": ("int4", "direct int4 @1-2", "int4 16", "int4 7"),
     "direct loop 2, affine int2 rows 24/10": ("int4", "direct int4", "int2a 24", "int2a 10"),
     "direct loop 2, affine int2 rows 32/16": ("int4", "direct int4", "int2a 32", "int2a 16"),
+    "direct loop 2, affine int2 rows 16/8": ("int4", "direct int4", "int2a 16", "int2a 8"),
+    "direct loop 2, affine int2 rows 16/16": ("int4", "direct int4", "int2a 16", "int2a 16"),
+    "direct loop 2, affine int2 rows 32/8": ("int4", "direct int4", "int2a 32", "int2a 8"),
 }
 
 
