@@ -246,15 +246,19 @@ def test_chunk_attention_checks_its_arguments(rng):
     assert HEAD_DIM == config.head_dim
 
 
-@pytest.mark.parametrize("chunk, q_heads, loop", [(3, 8, 0), (1, 4, 0), (8, 4, 2), (2, 2, 1)])
-def test_gluon_chunk_path_matches_the_reference(rng, chunk, q_heads, loop):
+@pytest.mark.parametrize("chunk, q_heads, loop, compact", [(3, 8, 0, False), (1, 4, 0, False), (8, 4, 2, False),
+                                                            (2, 2, 1, False), (8, 4, 2, True)])
+def test_gluon_chunk_path_matches_the_reference(rng, chunk, q_heads, loop, compact):
     """The Gluon decode kernel over the pages (numpy emulation of its body on a CPU; compiled on a GPU
-    in test_gluon_decode's manner), the chunk's own tokens in XLA: up to 32 query rows per KV head."""
+    in test_gluon_decode's manner), the chunk's own tokens in XLA: up to 32 query rows per KV head
+    (``compact``: ``CacheConfig.compact_loops``' affine INT2 rows, read per block of 8 rows)."""
     pytest.importorskip("triton.experimental.gluon")
     from jflashloop.ops import _chunk_attention
 
-    config = small_config(num_layers=1, head_dim=64, page_size=16, max_pages_per_sequence=8, num_pages=64,
-                          num_loops=3)
+    layout = dict(num_layers=1, num_kv_heads=2, head_dim=64, page_size=16, max_pages_per_sequence=8, num_pages=64,
+                  max_sequences=3, num_loops=3)
+    config = (jflashloop.CacheConfig.compact_loops(**layout) if compact
+              else small_config(**{k: v for k, v in layout.items() if k not in ("num_kv_heads", "max_sequences")}))
     cache, _ = build(rng, config, prompt_lengths=[70, 0, 33], steps=1)
     queries, keys, values = _chunk(rng, config, chunk, q_heads=q_heads)
     counts = jnp.asarray([chunk, chunk, max(chunk - 1, 0)], jnp.int32)
