@@ -595,7 +595,7 @@ _E2M1_VALUE_CODES_ASM = gl.constexpr(_e2m1_value_pair_asm(scales=False))
 INT4 = gl.constexpr(0)
 NVFP4 = gl.constexpr(1)
 ROTATED = gl.constexpr(2)  # int4_rotated: per-token float32 scale, zero point in its 4 low mantissa bits
-INT2 = gl.constexpr(3)  # sparse rows only: affine INT2 (scale and minimum like INT4 rows), read as INT4 words
+INT2 = gl.constexpr(3)  # sparse rows only: affine INT2 (scale and minimum like INT4 rows), a halfword per INT4 word
 
 # Affine INT2 rows: a halfword's 8 two-bit codes (channel i at bits 2i) -> an INT4 word of the same codes
 # (channel i at bits 4i): bytes to halfwords (prmt), nibbles to bytes and crumbs to nibbles ((x | x << k) & mask).
@@ -651,8 +651,8 @@ def _row_key_asm(registers: str, codes: list[str]) -> str:
     return "\n".join([*lines, "}"])
 
 
-# Token-axis INT4 key rows (sparse residuals): a word -> its nibbles (i, i + 4) as 1024 + code by lop3 (16 code
-# for odd i), less 1024 (x 1/16 less 64).
+# Token-axis INT4 key rows (sparse residuals): a word -> its nibble pairs (i, i + 4) as 1024 + code by lop3
+# (1024 + 16 code for odd i), less 1024 (for odd i: x 1/16, less 64).
 _ROW_KEY_ASM = gl.constexpr(_row_key_asm("t, k, e, o", [
     "mov.b32 k, 0x64006400;", "mov.b32 e, 0x2C002C00;", "mov.b32 o, 0xD400D400;",
     "lop3.b32 a, $8, 0x000F000F, 0x64006400, 0xEA;", "lop3.b32 b, $8, 0x00F000F0, 0x64006400, 0xEA;",
