@@ -305,8 +305,18 @@ class CacheConfig:
         Same arguments as :meth:`flashloop` (but the policy's own). On the shipped looped checkpoint
         (``bench/LOOPS.md``): 2,652.5 bytes a token, 6.18x less than four BF16 loop caches (FlashLoop's
         policy: 6.02x), with 13 % less teacher-forced KL than FlashLoop's policy and an attention error
-        at most its in every loop. The Gluon decode kernel reads every loop of it (GPU); the Pallas kernel
-        does not read INT2 rows (``NotImplementedError``; the automatic choice falls back).
+        at most its in every loop. The Gluon decode kernel reads every loop of it (GPU; loops 2, 3, ...
+        take more instructions a page than :meth:`flashloop` with ``direct_loop``: its 24 rows pad to a
+        32-row tile); the Pallas kernel does not read INT2 rows (``NotImplementedError``; the automatic
+        choice falls back).
+
+        Returns:
+          The :class:`CacheConfig`; its sparse loops' tiles hold uint32 ``[H, pool, rows, D/16]`` words and
+          float16 ``[H, pool, rows, D/64]`` scales and minimums.
+
+        Raises:
+          ValueError: ``num_loops < 2``, or what :meth:`flashloop` and the config's checks raise (INT2 pages
+          need ``head_dim`` divisible by 16).
         """
         if num_loops < 2:
             raise ValueError(f"compact_loops stores a direct loop 1: it needs num_loops >= 2, got {num_loops}")
