@@ -99,6 +99,9 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "direct loop 2, affine int2 rows 16/8": ("int4", "direct int4", "int2a 16", "int2a 8"),
     "direct loop 2, affine int2 rows 16/16": ("int4", "direct int4", "int2a 16", "int2a 16"),
     "direct loop 2, affine int2 rows 32/8": ("int4", "direct int4", "int2a 32", "int2a 8"),
+    "direct loop 2, affine int2 rows 20/8": ("int4", "direct int4", "int2a 20", "int2a 8"),
+    "direct loop 2, affine int2 rows 20/6": ("int4", "direct int4", "int2a 20", "int2a 6"),
+    "direct loop 2, affine int2 rows 24/6": ("int4", "direct int4", "int2a 24", "int2a 6"),
 }
 
 
