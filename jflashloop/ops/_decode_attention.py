@@ -356,9 +356,6 @@ def _gluon(queries, cache, layer, loop, *, include_pending, scale, kernel_config
 def _pallas(queries, cache, layer, loop, *, include_pending, scale, kernel_config, interpret, poison):
     plan = kernel_plan(cache.config.layer(layer), loop)
     c = cache.config
-    reason = pallas_decode.unsupported_reason(plan.loops, c.head_dim, c.page_size)
-    if reason:  # before any input is built (the kernel checks again)
-        raise NotImplementedError(reason)
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)
     output = pallas_decode.paged_decode_attention(
