@@ -12,6 +12,18 @@ An offline probe (numpy, no cache) of three levers the per-layer allocation cann
   from 16x the largest step of its tile down: a tile is a layer and KV head for keys, a layer and token for values)
   and a byte for an integer zero point: 4.5 bits, as INT4 G64's float16 scale and minimum over twice the values.
 
+A second table measures two codes fitted on the calibration text (statistics only, no gradient) and reported on
+both texts:
+
+* **key channel widths**: per (layer, KV head) each key channel gets its own code width (2-6 bits, the same
+  affine rule and float16 metadata per channel over 64 tokens), chosen to minimize the summed score error
+  ``sum_c E[q_c^2] E[range_c^2] / (2^b_c - 1)^2`` (``q`` the model's queries of the head's GQA group, ``range``
+  the channel's span over a 64-token group) under a mean width per head (4: INT4's bytes; less: fewer bytes);
+* **value channel scales**: each value channel divided by ``rms_c ** 0.75`` (its RMS over the calibration text's
+  tokens, per layer and KV head) before INT4 per token and multiplied back after decoding (the exponent: the best of
+  0.25, 0.5, 0.75 and 1 on the calibration text), so one large channel no longer sets every token's step. Exact in
+  the attention output's algebra: ``sum_t p_t (s * v_t) = s * sum_t p_t v_t``.
+
 Every code here quantizes K per channel over 64 tokens (32 for the absmax and 8-bit-metadata codes) and V per
 token over 64 (32) channels, with float16 metadata (but the 8-bit code), sink tokens 4 and a recent window of 64 tokens exact (the library's default
 windows); the uniform affine row is the library's INT4 G64 rule, and its library reconstruction is printed
@@ -32,6 +44,8 @@ from jflashloop.codecs import INT4_KEYS, INT4_VALUES
 from jflashloop.models import gguf_loader, llama
 
 TOKENS, SINKS, RECENT = 512, 4, 64
+WIDTHS = (2, 3, 4, 5, 6)  # key channel widths the fitted code may choose
+VALUE_EXPONENT = 0.75  # value channel scale: rms ** VALUE_EXPONENT
 NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
                 -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
                 0.24611230194568634, 0.33791524171829224, 0.44070982098579407, 0.5626170039176941,
@@ -127,20 +141,81 @@ def variants(keys, values, theta):
     return [(label, bits, with_windows(keys, k), with_windows(values, v)) for label, bits, k, v in out]
 
 
+def key_weights(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """float64 ``[layers, kv_heads, D]``: ``E[q_c^2] * E[range_c^2]`` per key channel, the score error a channel
+    brings per squared code step; ``q`` over the head's GQA group and the tokens after the sinks, the range over
+    each 64-token group of ``keys`` ``[layers, T, kv_heads, D]`` (``queries`` ``[layers, T, q_heads, D]``)."""
+    layers, tokens, heads, head_dim = keys.shape
+    group = queries.shape[2] // heads
+    q2 = (queries[:, SINKS:].astype(np.float64).reshape(layers, tokens - SINKS, heads, group, head_dim) ** 2).mean((1, 3))
+    pages = keys[:, :tokens // 64 * 64].astype(np.float64).reshape(layers, tokens // 64, 64, heads, head_dim)
+    return q2 * ((pages.max(2) - pages.min(2)) ** 2).mean(1)
+
+
+def channel_widths(weights: np.ndarray, mean_bits: float) -> np.ndarray:
+    """int ``[..., D]``: per row of ``weights`` ``[..., D]`` the widths in WIDTHS summing to ``mean_bits * D`` that
+    minimize ``sum_c w_c / (2^b_c - 1)^2`` (greedy one bit at a time, optimal since each channel's gain per bit
+    falls as its width grows)."""
+    rows = weights.reshape(-1, weights.shape[-1])
+    widths = np.full(rows.shape, WIDTHS[0])
+
+    def error(w, b):
+        return w / (2.0 ** b - 1) ** 2
+
+    for _ in range(round((mean_bits - WIDTHS[0]) * rows.shape[-1])):
+        gain = np.where(widths < WIDTHS[-1], error(rows, widths) - error(rows, widths + 1), -np.inf)
+        widths[np.arange(len(rows)), gain.argmax(-1)] += 1
+    return widths.reshape(weights.shape)
+
+
+def with_key_widths(keys: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """``keys`` ``[layers, T, kv_heads, D]`` coded per channel over 64 tokens, channel ``c`` of a layer and head
+    at ``widths[layer, head, c]`` bits (the affine rule with ``2^b`` uniform levels)."""
+    out = np.empty_like(keys)
+    for width in np.unique(widths):
+        coded = grouped(keys, 1, 64, affine(np.linspace(-1.0, 1.0, 2 ** width)))
+        out = np.where((widths == width)[:, None], coded, out)
+    return out
+
+
+def calibrated_variants(calibration, keys, values):
+    """``(label, bits per element of the pages, keys_hat, values_hat)`` of the codes fitted on ``calibration``
+    (the calibration text's ``(keys, values, queries)``)."""
+    weights = key_weights(calibration[0], calibration[2])
+    scale = np.sqrt((calibration[1][:, SINKS:].astype(np.float64) ** 2).mean(1, keepdims=True)) ** VALUE_EXPONENT
+    values_int4 = grouped(values, 3, 64, affine(UNIFORM))
+    values_scaled = (grouped(values / scale, 3, 64, affine(UNIFORM)) * scale).astype(np.float32)
+    out = [("INT4 G64 (the reference row)", 4.5, grouped(keys, 1, 64, affine(UNIFORM)), values_int4),
+           ("value channel scales", 4.5, grouped(keys, 1, 64, affine(UNIFORM)), values_scaled)]
+    for mean in (4.0, 3.5, 3.25, 3.0):
+        keys_hat = with_key_widths(keys, channel_widths(weights, mean))
+        bits = (mean + 0.5 + 4.5) / 2
+        if mean == 4.0:
+            out.append((f"key channel widths (mean {mean})", bits, keys_hat, values_int4))
+        out.append((f"key channel widths (mean {mean}) + value channel scales", bits, keys_hat, values_scaled))
+    return [(label, bits, with_windows(keys, k), with_windows(values, v)) for label, bits, k, v in out]
+
+
 def main() -> None:
     params, config, tokenizer = gguf_loader.load_smollm2()
     library = Policy("INT4 G64", INT4_KEYS, INT4_VALUES, SINKS, RECENT)
-    print("| text | code (K per channel over tokens, V per token over channels) | bits/elem (pages) "
-          "| mean attn-out err | worst layer |")
-    print("|---|---|---|---|---|")
+    texts = {}
     for name in ("calibration_text.txt", "eval_text.txt"):
         ids = tokenizer.encode(gguf_loader.read_data_text(name)).ids[:TOKENS]
-        keys, values, queries = (np.asarray(x, np.float32)
-                                 for x in llama.prefill(params, config, np.asarray(ids, np.int32))[1:])
+        texts[name] = [np.asarray(x, np.float32) for x in llama.prefill(params, config, np.asarray(ids, np.int32))[1:]]
+    header = ("| text | code (K per channel over tokens, V per token over channels) | bits/elem (pages) "
+              "| mean attn-out err | worst layer |\n|---|---|---|---|---|")
+    print(header)
+    for name, (keys, values, queries) in texts.items():
         rows = [("the library's INT4 G64 (check)", 4.5, *reconstructed(library, keys, values))]
         for label, bits, k_hat, v_hat in rows + variants(keys, values, config.rope_theta):
             errors = attention_errors(queries, keys, values, k_hat, v_hat)
             print(f"| {name} | {label} | {bits} | {errors.mean():.4f} | {errors.max():.4f} |", flush=True)
+    print("\nFitted on calibration_text.txt:\n" + header)
+    for name, (keys, values, queries) in texts.items():
+        for label, bits, k_hat, v_hat in calibrated_variants(texts["calibration_text.txt"], keys, values):
+            errors = attention_errors(queries, keys, values, k_hat, v_hat)
+            print(f"| {name} | {label} | {bits:g} | {errors.mean():.4f} | {errors.max():.4f} |", flush=True)
 
 
 if __name__ == "__main__":
