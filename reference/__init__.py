@@ -4,7 +4,8 @@ Installed as ``jflashloop_reference``. Plain element-by-element numpy and
 Python: slow, small and obviously right. Never imports jax or jflashloop.
 """
 
-from . import attention, floats, int2, int3, int4, nvfp4, paged_cache
+from . import attention, fitted, floats, int2, int3, int4, nvfp4, paged_cache
+from .fitted import decode_int4_scaled, decode_int_mixed, encode_int4_scaled, encode_int_mixed
 from .int2 import decode_int2, encode_int2, pack_crumbs, unpack_crumbs
 from .int3 import decode_int3, encode_int3, pack_triplets, unpack_triplets
 from .int4 import decode_int4, encode_int4, pack_nibbles, unpack_nibbles
@@ -15,11 +16,16 @@ __all__ = [
     "decode_int2",
     "decode_int3",
     "decode_int4",
+    "decode_int4_scaled",
+    "decode_int_mixed",
     "decode_nvfp4",
     "encode_int2",
     "encode_int3",
     "encode_int4",
+    "encode_int4_scaled",
+    "encode_int_mixed",
     "encode_nvfp4",
+    "fitted",
     "floats",
     "global_scale_from_amax",
     "int2",

@@ -181,10 +181,14 @@ def encode_int4(x: np.ndarray, axis: str, group_size: int):
     return encode_affine(x, axis, group_size, 15, pack_nibbles)
 
 
-def encode_affine(x: np.ndarray, axis: str, group_size: int, max_code: int, pack):
-    """The affine encode with codes ``0..max_code``, packed by ``pack`` (codes ``[T, H, C]`` to bytes)."""
+def encode_affine(x: np.ndarray, axis: str, group_size: int, max_code, pack):
+    """The affine encode with codes ``0..max_code``, packed by ``pack`` (codes ``[T, H, C]`` to bytes).
+
+    ``max_code``: an int, or (``axis="channel"`` only) ints ``[H, C]``, the top code of each (head, channel).
+    """
     x = np.asarray(x, dtype=np.float32)
     assert x.ndim == 3 and axis in ("channel", "token") and group_size >= 1
+    assert isinstance(max_code, int) or axis == "channel"
     x = flush_subnormals(x)
     meta_shape = metadata_shape(axis, group_size, x.shape)
     minimum16 = np.zeros(meta_shape, dtype=np.float16)
@@ -193,7 +197,8 @@ def encode_affine(x: np.ndarray, axis: str, group_size: int, max_code: int, pack
     nonfinite = saturated = 0
     for group_index in np.ndindex(*meta_shape):
         members = group_members(axis, group_size, x.shape, group_index)
-        minimum, scale = group_parameters([x[m] for m in members], max_code)
+        top = max_code if isinstance(max_code, int) else int(max_code[group_index[1], group_index[2]])
+        minimum, scale = group_parameters([x[m] for m in members], top)
         finite_members = sum(1 for m in members if math.isfinite(x[m]))
         nonfinite += len(members) - finite_members
         if overflows_float16(minimum) or overflows_float16(scale):
@@ -206,7 +211,7 @@ def encode_affine(x: np.ndarray, axis: str, group_size: int, max_code: int, pack
             code = floats.round_half_to_even(quotient)
             # A NaN quotient (+-inf over a span that overflows float32) is
             # stored as code 0.
-            codes[m] = 0 if math.isnan(code) else int(min(max(code, 0.0), float(max_code)))
+            codes[m] = 0 if math.isnan(code) else int(min(max(code, 0.0), float(top)))
         minimum16[group_index] = floats.float16_saturating(minimum)
         # A span beyond float32 makes the scale +inf; it is stored as 65504 too.
         scale16[group_index] = floats.float16_saturating(min(scale, np.float32(floats.FLOAT16_MAX)))

@@ -21,7 +21,7 @@ from ._nvfp4 import (
     encode_nvfp4_with_statistics,
 )
 from ._packed import Packed
-from ._spec import AFFINE_FORMATS, CodecSpec
+from ._spec import AFFINE_FORMATS, FITTED_FORMATS, CodecSpec
 from ._statistics import EncodeStatistics
 
 SUPPORTED_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -81,17 +81,15 @@ def check_global_scale(global_scale, spec: CodecSpec) -> None:
         )
 
 
-STATISTICS_FORMATS = ("int4", "int3", "int2", "nvfp4", "int4_rotated")
+STATISTICS_FORMATS = ("int4", "int3", "int2", "int_mixed", "int4_scaled", "nvfp4", "int4_rotated")
 
 
 def _checked_arguments(x, spec, global_scale, implementation, *, statistics: bool = False):
     """Every argument check of :func:`encode` (and the statistics), then the resolved implementation."""
     check_input(x, spec)
-    if statistics:
-        if spec.format not in STATISTICS_FORMATS:
-            raise ValueError(
-                f"encode statistics are defined for the formats {STATISTICS_FORMATS}, got {spec.format!r}"
-            )
+    if statistics and spec.format not in STATISTICS_FORMATS:
+        raise ValueError(f"encode statistics are defined for the formats {STATISTICS_FORMATS}, got {spec.format!r}")
+    if statistics or spec.format in FITTED_FORMATS:
         spec.check_shape(tuple(x.shape))
     check_global_scale(global_scale, spec)
     return _dispatch.resolve(implementation)
@@ -166,7 +164,8 @@ def encode_with_statistics(
     bit). The :class:`EncodeStatistics` count the NaN/+-inf elements and the
     finite elements stored beyond the format's range (``docs/reliability.md``
     defines both); they are computed in the same ``jit``, from values the
-    encode already has. Defined for ``int4``, ``int3``, ``int2``, ``nvfp4`` and ``int4_rotated``.
+    encode already has. Defined for ``int4``, ``int3``, ``int2``, ``int_mixed``, ``int4_scaled`` (counted on
+    ``x / s``), ``nvfp4`` and ``int4_rotated``.
 
     Returns:
       ``(packed, statistics)``; both counts are int32 ``[]``.
@@ -218,6 +217,7 @@ def _check_packed(packed: Packed) -> None:
         raise ValueError(f"packed.spec must be a CodecSpec and packed.shape a 3-tuple, got {spec!r}, {shape!r}")
     if spec.format not in (*AFFINE_FORMATS, "nvfp4"):
         return
+    spec.check_shape(shape)
     payload_shape = (shape[0], shape[1], spec.payload_bytes_per_row(shape[2]))
     if packed.payload.dtype != np.uint8 or tuple(packed.payload.shape[-3:]) != payload_shape:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""The affine codecs, INT4 (FlashLoop-compatible), INT3 and INT2, bit-exact with ``reference.int4`` / ``int3`` / ``int2``.
+"""The affine codecs, INT4 (FlashLoop-compatible), INT3, INT2 and the fitted ``int_mixed`` and ``int4_scaled``,
+bit-exact with ``reference.int4`` / ``int3`` / ``int2`` / ``fitted``.
 
 Per group in float32: ``min = amin(x)`` (-0.0 counted as +0.0), ``span = amax(x) - min``,
 ``scale = span / M`` (``1`` when ``span < 2**-121``), ``code = clamp(rne((x - min) /
@@ -8,7 +9,9 @@ stored as float16 (RNE, saturating at +-65504). Decode: ``code *
 float32(scale16) + float32(min16)``. INT4 packs two codes per byte
 (:func:`~jflashloop.codecs._packed.pack_nibbles`), INT3 eight codes per three
 bytes (:func:`~jflashloop.codecs._packed.pack_triplets`), INT2 four codes per byte
-(:func:`~jflashloop.codecs._packed.pack_crumbs`).
+(:func:`~jflashloop.codecs._packed.pack_crumbs`). ``int_mixed`` takes ``M = 2**b - 1`` for each
+channel's width ``b`` and packs a bit stream of those widths (:func:`~jflashloop.codecs._packed.pack_widths`);
+``int4_scaled`` is INT4 of ``x / s`` (``s`` per head and channel), decoded times ``s``.
 
 float32 subnormal inputs are read as zeros and a group whose span is below
 ``2**-121`` gets scale 1 (:data:`MINIMUM_SPAN`), so no subnormal arithmetic
@@ -24,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..ops._division import divide
 from . import _floats as floats
@@ -32,9 +36,11 @@ from ._packed import (
     pack_crumbs,
     pack_nibbles,
     pack_triplets,
+    pack_widths,
     unpack_crumbs,
     unpack_nibbles,
     unpack_triplets,
+    unpack_widths,
 )
 from ._spec import AFFINE_MAX_CODE, CodecSpec
 from ._statistics import EncodeStatistics, count, int4_saturated_groups
@@ -47,7 +53,34 @@ Their scale would be below ``2**-125``, where float32 subnormal arithmetic
 such group decodes to its float16 min either way (its float16 scale would be 0).
 """
 _PACKINGS = {"int4": (pack_nibbles, unpack_nibbles), "int3": (pack_triplets, unpack_triplets),
-             "int2": (pack_crumbs, unpack_crumbs)}
+             "int2": (pack_crumbs, unpack_crumbs), "int4_scaled": (pack_nibbles, unpack_nibbles)}
+
+
+def max_codes(spec: CodecSpec) -> jax.Array:
+    """float32 top code: ``[]``, or ``[H, C]`` for ``int_mixed`` (``2**width - 1``, broadcasting against the
+    channel axis' metadata ``[groups, H, C]``)."""
+    if spec.format == "int_mixed":
+        return jnp.asarray(2.0 ** np.asarray(spec.channel_bits) - 1.0, jnp.float32)
+    return jnp.float32(AFFINE_MAX_CODE[spec.format])
+
+
+def pack_codes(codes: jax.Array, spec: CodecSpec) -> jax.Array:
+    """uint8 codes ``[T, H, C]`` as the spec's payload bytes."""
+    if spec.format == "int_mixed":
+        return pack_widths(codes, spec.channel_bits)
+    return _PACKINGS[spec.format][0](codes)
+
+
+def unpack_codes(payload: jax.Array, spec: CodecSpec, channels: int) -> jax.Array:
+    """Inverse of :func:`pack_codes`: uint8 codes ``[T, H, C]``."""
+    if spec.format == "int_mixed":
+        return unpack_widths(payload, spec.channel_bits)
+    return _PACKINGS[spec.format][1](payload, channels)
+
+
+def channel_scales(spec: CodecSpec) -> jax.Array:
+    """float32 ``[H, C]``: ``int4_scaled``'s divisors."""
+    return jnp.asarray(np.asarray(spec.channel_scale, np.float32))
 
 
 def _grouped(x: jax.Array, spec: CodecSpec) -> jax.Array:
@@ -98,7 +131,7 @@ def group_parameters(x: jax.Array, spec: CodecSpec, implementation: str):
     span = jnp.where(has_finite, maximum, jnp.float32(0.0)) - minimum
     scale = jnp.where(
         span >= MINIMUM_SPAN,
-        divide(span, jnp.float32(AFFINE_MAX_CODE[spec.format]), implementation),
+        divide(span, max_codes(spec), implementation),
         jnp.float32(1.0),
     )
     return minimum, scale
@@ -113,7 +146,7 @@ def codes_from_parameters(x, minimum, scale, spec: CodecSpec, implementation: st
     quotient = divide(
         groups - _expand(minimum, spec), _expand(scale, spec), implementation
     )
-    codes = jnp.clip(floats.round_half_to_even(quotient), 0.0, float(AFFINE_MAX_CODE[spec.format]))
+    codes = jnp.clip(floats.round_half_to_even(quotient), 0.0, max_codes(spec))
     codes = jnp.where(jnp.isnan(codes), 0.0, codes)
     return _ungrouped(codes, spec, x.shape).astype(jnp.uint8)
 
@@ -127,12 +160,21 @@ def statistics_from_parameters(x, minimum, scale, spec: CodecSpec) -> EncodeStat
     return EncodeStatistics(nonfinite=count(~finite), saturated=count(member_overflow & finite))
 
 
-def _encode(x: jax.Array, spec: CodecSpec, implementation: str):
+def affine_input(x: jax.Array, spec: CodecSpec, implementation: str) -> jax.Array:
+    """float32 ``[T, H, C]``: what the affine rule codes (subnormals read as zeros; ``int4_scaled``: ``x / s``,
+    correctly rounded, flushed again)."""
     x = floats.flush_subnormals(x.astype(jnp.float32))
+    if spec.format == "int4_scaled":
+        x = floats.flush_subnormals(divide(x, channel_scales(spec), implementation))
+    return x
+
+
+def _encode(x: jax.Array, spec: CodecSpec, implementation: str):
+    x = affine_input(x, spec, implementation)
     minimum, scale = group_parameters(x, spec, implementation)
     codes = codes_from_parameters(x, minimum, scale, spec, implementation)
     packed = Packed(
-        payload=_PACKINGS[spec.format][0](codes),
+        payload=pack_codes(codes, spec),
         scale=floats.round_to_float16(scale).astype(jnp.float16),
         minimum=floats.round_to_float16(minimum).astype(jnp.float16),
         global_scale=None,
@@ -157,16 +199,19 @@ def encode_affine_with_statistics(
 
 def affine_statistics(x: jax.Array, spec: CodecSpec, implementation: str) -> EncodeStatistics:
     """The :class:`EncodeStatistics` of encoding ``x`` ``[T, H, C]``, without encoding it."""
-    x = floats.flush_subnormals(x.astype(jnp.float32))
+    x = affine_input(x, spec, implementation)
     minimum, scale = group_parameters(x, spec, implementation)
     return statistics_from_parameters(x, minimum, scale, spec)
 
 
 def decode_affine(packed: Packed) -> jax.Array:
-    """float32 ``[T, H, C]``: ``code * float32(scale16) + float32(min16)``."""
+    """float32 ``[T, H, C]``: ``code * float32(scale16) + float32(min16)`` (``int4_scaled``: times ``s``)."""
     spec, shape = packed.spec, packed.shape
-    codes = _PACKINGS[spec.format][1](packed.payload, shape[2]).astype(jnp.float32)
+    codes = unpack_codes(packed.payload, spec, shape[2]).astype(jnp.float32)
     groups = _grouped(codes, spec)
     scale = _expand(packed.scale.astype(jnp.float32), spec)
     minimum = _expand(packed.minimum.astype(jnp.float32), spec)
-    return _ungrouped(groups * scale + minimum, spec, shape)
+    decoded = _ungrouped(groups * scale + minimum, spec, shape)
+    if spec.format == "int4_scaled":
+        decoded = decoded * channel_scales(spec)
+    return decoded

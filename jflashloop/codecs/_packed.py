@@ -1,4 +1,4 @@
-"""`Packed` (an encoded tensor and its metadata, as a pytree), nibble, 3-bit and 2-bit packing."""
+"""`Packed` (an encoded tensor and its metadata, as a pytree), nibble, 3-bit, 2-bit and mixed-width packing."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._spec import CodecSpec
 
@@ -140,3 +141,51 @@ def unpack_crumbs(packed: jax.Array, channels: int) -> jax.Array:
     """Inverse of :func:`pack_crumbs`: ``[..., ceil(C / 4)]`` bytes to uint8 ``[..., C]``."""
     codes = jnp.stack([(packed >> jnp.uint8(2 * i)) & jnp.uint8(3) for i in range(4)], axis=-1)
     return codes.reshape(*packed.shape[:-1], -1)[..., :channels]
+
+
+def _width_bits(widths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Static bit sources of a mixed-width row: for each head and row bit, ``(channel, bit of its code, used)``,
+    each int/bool ``[H, 8 * ceil(row_bits / 8)]``."""
+    heads, _ = widths.shape
+    row_bytes = (int(widths.sum(axis=1).max()) + 7) // 8
+    channel = np.zeros((heads, 8 * row_bytes), np.int32)
+    bit = np.zeros((heads, 8 * row_bytes), np.int32)
+    for head in range(heads):
+        sources = [(c, b) for c, width in enumerate(widths[head]) for b in range(int(width))]
+        channel[head, :len(sources)] = [c for c, _ in sources]
+        bit[head, :len(sources)] = [b for _, b in sources]
+    used = np.arange(8 * row_bytes)[None, :] < widths.sum(axis=1)[:, None]
+    return channel, bit, used
+
+
+def pack_widths(codes: jax.Array, widths) -> jax.Array:
+    """Pack uint8 codes ``[..., H, C]`` of per-(head, channel) widths ``widths`` (int ``[H, C]``, 1-8 bits) into
+    bytes ``[..., H, ceil(max_row_bits / 8)]``.
+
+    A little-endian bit stream along each row: channel ``c`` of head ``h`` holds bits ``sum(widths[h, :c]) ..
+    sum(widths[h, :c + 1]) - 1`` (least significant first), bit ``i`` being bit ``i % 8`` of byte ``i // 8``;
+    the bits past the head's row width are zero. Bits of a code above its width are ignored.
+    """
+    channel, bit, used = _width_bits(np.asarray(widths))
+    index = jnp.broadcast_to(jnp.asarray(channel), (*codes.shape[:-1], channel.shape[-1]))
+    bits = (jnp.take_along_axis(codes.astype(jnp.uint8), index, axis=-1) >> jnp.asarray(bit, jnp.uint8)) & 1
+    bits = jnp.where(jnp.asarray(used), bits, jnp.uint8(0))
+    octets = bits.reshape(*bits.shape[:-1], -1, 8)
+    return jnp.sum(octets << jnp.arange(8, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
+
+
+def unpack_widths(packed: jax.Array, widths) -> jax.Array:
+    """Inverse of :func:`pack_widths`: bytes ``[..., H, ceil(max_row_bits / 8)]`` to uint8 codes ``[..., H, C]``."""
+    widths = np.asarray(widths)
+    heads, channels = widths.shape
+    top = int(widths.max())
+    offsets = np.cumsum(widths, axis=1) - widths  # [H, C]
+    index = offsets[..., None] + np.arange(top)  # [H, C, top]
+    used = np.arange(top) < widths[..., None]
+    bits = (packed[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+    bits = bits.reshape(*packed.shape[:-1], -1)  # [..., H, 8 * bytes]
+    index = np.where(used, index, 0).reshape(heads, channels * top)
+    gathered = jnp.take_along_axis(bits, jnp.broadcast_to(jnp.asarray(index), (*bits.shape[:-1], index.shape[-1])),
+                                   axis=-1).reshape(*bits.shape[:-1], channels, top)
+    gathered = jnp.where(jnp.asarray(used), gathered, jnp.uint8(0))
+    return jnp.sum(gathered << jnp.arange(top, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)

@@ -6,23 +6,67 @@ import dataclasses
 import math
 from typing import Literal
 
-Format = Literal["int4", "int3", "int2", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated"]
+import numpy as np
+
+Format = Literal["int4", "int3", "int2", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated",
+                 "int_mixed", "int4_scaled"]
 Axis = Literal["channel", "token"]
 
 NVFP4_BLOCK_SIZE = 16
-FORMATS = ("int4", "int3", "int2", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated")
-# Affine formats: float16 min and scale per group, codes 0..AFFINE_MAX_CODE[format].
-AFFINE_FORMATS = ("int4", "int3", "int2")
-AFFINE_MAX_CODE = {"int4": 15, "int3": 7, "int2": 3}
+FORMATS = ("int4", "int3", "int2", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated",
+           "int_mixed", "int4_scaled")
+# Affine formats: float16 min and scale per group, codes 0..AFFINE_MAX_CODE[format] (int_mixed: 0..2**b - 1 for
+# its channel's width b).
+AFFINE_FORMATS = ("int4", "int3", "int2", "int_mixed", "int4_scaled")
+AFFINE_MAX_CODE = {"int4": 15, "int3": 7, "int2": 3, "int4_scaled": 15}
+# Formats fitted to a model: per (kv_head, channel) data in the spec (int_mixed: channel_bits; int4_scaled:
+# channel_scale).
+FITTED_FORMATS = ("int_mixed", "int4_scaled")
+MAX_CHANNEL_BITS = 8
+CHANNEL_SCALE_RANGE = (2.0**-64, 2.0**64)
 # Formats whose group is the whole head, rotated by a seeded randomized Hadamard.
 HEAD_ROTATED_FORMATS = ("int4_rotated", "int2_lloyd_max")
 # Formats rotated by a plain normalized Hadamard (over the head for e8, per group otherwise).
 PLAIN_ROTATED_FORMATS = ("e8", "int4_group_rotated")
 # Payload bits per element.
-CODE_BITS = {"int4": 4, "int3": 3, "int2": 2, "nvfp4": 4, "int4_rotated": 4, "int2_lloyd_max": 2, "e8": 2, "int4_group_rotated": 4}
+CODE_BITS = {"int4": 4, "int3": 3, "int2": 2, "nvfp4": 4, "int4_rotated": 4, "int2_lloyd_max": 2, "e8": 2, "int4_group_rotated": 4,
+             "int4_scaled": 4}  # int_mixed: CodecSpec.row_bits
 # Metadata bits per group.
 METADATA_BITS = {"int4": 32, "int3": 32, "int2": 32, "nvfp4": 8, "int4_rotated": 32, "int2_lloyd_max": 16, "e8": 16,
-                 "int4_group_rotated": 16}
+                 "int4_group_rotated": 16, "int_mixed": 32, "int4_scaled": 32}
+
+
+def _table(value, name: str, cast) -> tuple[tuple, ...]:
+    """``value`` (a sequence of equal-length sequences, e.g. lists from JSON) as a tuple of tuples of ``cast``."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) == 0:
+        raise ValueError(f"CodecSpec.{name} must be a non-empty [kv_heads][channels] table, got {value!r}")
+    rows = []
+    for row in value:
+        if isinstance(row, (str, bytes)) or not hasattr(row, "__len__") or len(row) == 0:
+            raise ValueError(f"CodecSpec.{name} must be a non-empty [kv_heads][channels] table, got row {row!r}")
+        rows.append(tuple(cast(item) for item in row))
+    if len({len(row) for row in rows}) != 1:
+        raise ValueError(f"CodecSpec.{name} rows must have one length (the channels), got "
+                         f"{sorted({len(row) for row in rows})}")
+    return tuple(rows)
+
+
+def _width(item) -> int:
+    if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
+        raise ValueError(f"CodecSpec.channel_bits entries must be ints, got {item!r}")
+    if not 1 <= int(item) <= MAX_CHANNEL_BITS:
+        raise ValueError(f"CodecSpec.channel_bits entries must be in 1..{MAX_CHANNEL_BITS}, got {item}")
+    return int(item)
+
+
+def _channel_scale(item) -> float:
+    if isinstance(item, bool) or not isinstance(item, (int, float, np.integer, np.floating)):
+        raise ValueError(f"CodecSpec.channel_scale entries must be numbers, got {item!r}")
+    value = float(np.float32(item))
+    low, high = CHANNEL_SCALE_RANGE
+    if not low <= value <= high:
+        raise ValueError(f"CodecSpec.channel_scale entries must be float32 numbers in [2**-64, 2**64], got {item!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +99,35 @@ class CodecSpec:
       rotation_seed: seed of the random signs of ``int4_rotated`` and
         ``int2_lloyd_max`` (recorded here so queries can take the same
         rotation); None for every other format.
+      channel_bits: ``"int_mixed"`` only: the code width of every channel,
+        ``[kv_heads][channels]`` ints in 1..8 (a tuple of tuples; lists are
+        converted), every head's widths summing to the same row width. None
+        for every other format.
+      channel_scale: ``"int4_scaled"`` only: the divisor of every channel,
+        ``[kv_heads][channels]`` float32 numbers in ``[2**-64, 2**64]``
+        (stored as the Python floats of their float32 values). None for every
+        other format.
+
+    Fitted formats (:data:`FITTED_FORMATS`, made by
+    :mod:`jflashloop.fitting` from a model's own keys, values and queries):
+
+    * ``"int_mixed"`` (``axis="channel"``, the K layout): INT4's affine rule
+      per (group of tokens, kv_head, channel) with codes ``0 .. 2**b - 1``,
+      ``b = channel_bits[head][channel]`` (``scale = span / (2**b - 1)``).
+      ``payload`` uint8 ``[T, H, ceil(row_bits / 8)]``: a little-endian bit
+      stream along the channels of each (token, head) row, channel ``c`` at
+      bits ``sum(b[:c]) .. sum(b[:c + 1]) - 1`` of the row (bit ``i`` of the
+      row is bit ``i % 8`` of byte ``i // 8``); the bits past ``row_bits`` are
+      zero. ``row_bits / C + 32 / G`` bits per element (4.5 at a mean width
+      of 4 and G = 64, INT4's bytes).
+    * ``"int4_scaled"`` (``axis="token"``, the V layout): INT4 of ``x / s``
+      per (token, kv_head, group of channels), ``s = channel_scale[head]
+      [channel]`` (float32, correctly rounded division; a quotient beyond
+      float32 is +-inf and stored as INT4 stores it), decoded as
+      ``float32(INT4 decode) * s``. INT4's arrays and bytes.
+
+    A tensor of a fitted format must have exactly the table's kv_heads and
+    channels (:meth:`check_shape`); :meth:`for_head` gives one head's spec.
 
     INT3 (``"int3"``, either axis, any ``group_size``): per group, in float32,
     ``min = amin(x)``, ``scale = (amax(x) - min) / 7`` (``1`` for a span below
@@ -93,10 +166,13 @@ class CodecSpec:
     axis: Axis = "token"
     group_size: int = 64
     rotation_seed: int | None = None
+    channel_bits: tuple[tuple[int, ...], ...] | None = None
+    channel_scale: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"CodecSpec.format must be one of {FORMATS}, got {self.format!r}")
+        self._check_fitted()
         if self.axis not in ("channel", "token"):
             raise ValueError(f"CodecSpec.axis must be 'channel' or 'token', got {self.axis!r}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
@@ -125,9 +201,61 @@ class CodecSpec:
         elif self.rotation_seed is not None:
             raise ValueError(f"CodecSpec.rotation_seed applies to {HEAD_ROTATED_FORMATS} only")
 
+    def __repr__(self) -> str:
+        fields = [f"format={self.format!r}", f"axis={self.axis!r}", f"group_size={self.group_size}",
+                  f"rotation_seed={self.rotation_seed!r}"]
+        fields += [f"{name}={getattr(self, name)!r}" for name in ("channel_bits", "channel_scale")
+                   if getattr(self, name) is not None]
+        return f"CodecSpec({', '.join(fields)})"
+
+    def _check_fitted(self) -> None:
+        """Validate (and normalize to tuples) the fitted formats' tables."""
+        for name, fmt, axis, cast in (("channel_bits", "int_mixed", "channel", _width),
+                                      ("channel_scale", "int4_scaled", "token", _channel_scale)):
+            value = getattr(self, name)
+            if self.format != fmt:
+                if value is not None:
+                    raise ValueError(f"CodecSpec.{name} applies to {fmt!r} only, not {self.format!r}")
+                continue
+            if value is None:
+                raise ValueError(f"CodecSpec format {fmt!r} needs {name} ([kv_heads][channels])")
+            if self.axis != axis:
+                raise ValueError(f"CodecSpec format {fmt!r} groups per {'token' if axis == 'token' else 'channel'}: "
+                                 f"use axis={axis!r}")
+            object.__setattr__(self, name, _table(value, name, cast))
+        if self.channel_bits is not None and len({sum(row) for row in self.channel_bits}) != 1:
+            raise ValueError("CodecSpec.channel_bits: every head's widths must sum to the same row width, got "
+                             f"{[sum(row) for row in self.channel_bits]}")
+
+    @property
+    def fitted_shape(self) -> tuple[int, int] | None:
+        """``(kv_heads, channels)`` of a fitted format's table; None for the other formats."""
+        table = self.channel_bits if self.channel_bits is not None else self.channel_scale
+        return None if table is None else (len(table), len(table[0]))
+
+    @property
+    def row_bits(self) -> int:
+        """``int_mixed``: the bits of one (token, head) row's codes (the sum of a head's widths)."""
+        if self.channel_bits is None:
+            raise ValueError(f"row_bits is defined for 'int_mixed' only, not {self.format!r}")
+        return sum(self.channel_bits[0])
+
+    def for_head(self, head: int) -> CodecSpec:
+        """The spec of kv head ``head`` alone (a fitted format's table row; any other spec unchanged)."""
+        if self.fitted_shape is None:
+            return self
+        if not 0 <= head < self.fitted_shape[0]:
+            raise ValueError(f"head {head} is outside the spec's {self.fitted_shape[0]} kv heads")
+        if self.channel_bits is not None:
+            return dataclasses.replace(self, channel_bits=(self.channel_bits[head],))
+        return dataclasses.replace(self, channel_scale=(self.channel_scale[head],))
+
     def check_shape(self, shape: tuple[int, int, int]) -> None:
         """Raise ``ValueError`` if a ``[tokens, kv_heads, channels]`` shape cannot use this format."""
         channels = shape[2]
+        if self.fitted_shape is not None and tuple(shape[1:]) != self.fitted_shape:
+            raise ValueError(f"{self.format} was fitted for [kv_heads, channels] = {list(self.fitted_shape)}, "
+                             f"got a tensor with {list(shape[1:])}")
         if self.format in HEAD_ROTATED_FORMATS and channels != self.group_size:
             raise ValueError(
                 f"{self.format} groups a whole head: group_size must equal the channel count "
@@ -151,6 +279,8 @@ class CodecSpec:
 
     def payload_bytes_per_row(self, channels: int) -> int:
         """Payload bytes of one (token, head) row of ``channels`` elements."""
+        if self.format == "int_mixed":
+            return (self.row_bits + 7) // 8
         return (channels * CODE_BITS[self.format] + 7) // 8
 
     def nbytes(self, shape: tuple[int, int, int]) -> int:
@@ -166,7 +296,9 @@ class CodecSpec:
     def bits_per_element(self, shape: tuple[int, int, int] | None = None) -> float:
         """Storage bits per element; without a shape, the asymptotic figure for full groups."""
         if shape is None:
-            return CODE_BITS[self.format] + METADATA_BITS[self.format] / self.group_size
+            code_bits = (self.row_bits / self.fitted_shape[1] if self.format == "int_mixed"
+                         else CODE_BITS[self.format])
+            return code_bits + METADATA_BITS[self.format] / self.group_size
         return 8.0 * self.nbytes(shape) / math.prod(shape)
 
 
