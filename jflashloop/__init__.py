@@ -3,7 +3,8 @@
 The public API is what this module re-exports, and the namespaces it
 re-exports: :mod:`jflashloop.codecs`, :mod:`jflashloop.paged_cache` (the
 cache's operations), :mod:`jflashloop.storage` (byte accounting), :mod:`jflashloop.allocation`
-(per-layer policies under a bit budget and their files),
+(per-layer policies under a bit budget and their files), :mod:`jflashloop.fitting` (codecs fitted to a
+model's own keys, values and queries),
 :mod:`jflashloop.checked`, :mod:`jflashloop.persistence` and
 :mod:`jflashloop.sharding`. Every other module (a leading underscore, or
 inside ``codecs/``, ``cache/`` and ``ops/``) is internal; ``docs/architecture.md``
@@ -16,6 +17,7 @@ looped model's first loop (the base of its residual chain).
 from . import allocation as allocation
 from . import checked as checked
 from . import codecs as codecs
+from . import fitting as fitting
 from . import paged_cache as paged_cache
 from . import persistence as persistence
 from . import sharding as sharding
@@ -107,6 +109,7 @@ __all__ = [
     "encode_chain",
     "encode_residual",
     "encode_with_statistics",
+    "fitting",
     "global_scale_from_amax",
     "int2_lloyd_max",
     "int4_rotated",

@@ -44,12 +44,36 @@ class Candidate:
 
     Attributes:
       name: a label for tables.
-      key_spec, value_spec: the codecs (a one-loop cache's K and V).
+      key_spec, value_spec: the codecs (a one-loop cache's K and V); with ``layer_specs``, layer 0's.
+      layer_specs: None (every layer takes ``key_spec``/``value_spec``), or one ``(key_spec, value_spec)`` per
+        layer: a family fitted to each layer (:mod:`jflashloop.fitting`) whose layers store the same bytes.
     """
 
     name: str
     key_spec: CodecSpec
     value_spec: CodecSpec
+    layer_specs: tuple[tuple[CodecSpec, CodecSpec], ...] | None = None
+
+    def specs(self, layer: int) -> tuple[CodecSpec, CodecSpec]:
+        """``(key_spec, value_spec)`` of layer ``layer``."""
+        return (self.key_spec, self.value_spec) if self.layer_specs is None else self.layer_specs[layer]
+
+    @classmethod
+    def per_layer(cls, name: str, layer_specs) -> Candidate:
+        """A candidate of one ``(key_spec, value_spec)`` per layer (``layer_specs``, a sequence of pairs).
+
+        Raises:
+          ValueError: no layers, or layers whose codecs store different bytes (the allocation prices a
+            candidate once).
+        """
+        layer_specs = tuple((key, value) for key, value in layer_specs)
+        if not layer_specs:
+            raise ValueError(f"candidate {name!r} needs at least one layer's specs")
+        costs = {(key.bits_per_element(), value.bits_per_element()) for key, value in layer_specs}
+        if len(costs) != 1:
+            raise ValueError(f"candidate {name!r}: every layer must store the same bits per element, got "
+                             f"{sorted(costs)}")
+        return cls(name, layer_specs[0][0], layer_specs[0][1], layer_specs)
 
 
 def candidate_bits(candidate: Candidate, *, num_kv_heads: int, head_dim: int, context_tokens: int,
@@ -133,8 +157,9 @@ def allocate(errors, costs, budget: float) -> np.ndarray:
 def policy_for(name: str, candidates: Sequence[Candidate], choice: Sequence[int], *,
                sink_tokens: int = Policy.sink_tokens, recent_tokens: int | None = Policy.recent_tokens,
                page_size: int = Policy.page_size) -> Policy:
-    """The :class:`~jflashloop.Policy` giving layer ``l`` the codecs of ``candidates[choice[l]]``."""
-    specs = tuple((candidates[c].key_spec, candidates[c].value_spec) for c in choice)
+    """The :class:`~jflashloop.Policy` giving layer ``l`` the codecs of ``candidates[choice[l]]`` (its layer
+    ``l``'s, for a per-layer candidate)."""
+    specs = tuple(candidates[c].specs(layer) for layer, c in enumerate(choice))
     return Policy(name, specs[0][0], specs[0][1], sink_tokens, recent_tokens, page_size, layer_specs=specs)
 
 
@@ -152,7 +177,7 @@ def policy_to_json(policy: Policy, metadata: Mapping[str, Any] | None = None) ->
         "sink_tokens": policy.sink_tokens,
         "recent_tokens": policy.recent_tokens,
         "page_size": policy.page_size,
-        "layers": [{"keys": dataclasses.asdict(k), "values": dataclasses.asdict(v)} for k, v in policy.layer_specs],
+        "layers": [{"keys": k.to_json(), "values": v.to_json()} for k, v in policy.layer_specs],
         "metadata": dict(metadata or {}),
     }
 

@@ -65,12 +65,36 @@ def local_config(config: CacheConfig, mesh: Mesh, axes: MeshAxes = MeshAxes()) -
                 f"CacheConfig.{what}={value} must be divisible by the size of mesh axis "
                 f"{axis!r} ({size})"
             )
+    heads = config.num_kv_heads // model
+    layer_loops = config.layer_loops
+    if model > 1:
+        layer_loops = None if layer_loops is None else tuple(_local_loops(loops, heads, axes) for loops in layer_loops)
     return dataclasses.replace(
         config,
-        num_kv_heads=config.num_kv_heads // model,
+        loops=_local_loops(config.loops, heads, axes) if model > 1 else config.loops,
+        layer_loops=layer_loops,
+        num_kv_heads=heads,
         max_sequences=config.max_sequences // data,
         num_pages=config.num_pages // data,
     )
+
+
+def _local_spec(spec, heads: int, axes: MeshAxes):
+    """A fitted format's spec for a shard of ``heads`` kv heads: its table cut to ``heads`` rows, which every shard
+    shares (one static spec runs on every shard), so the heads' rows must be equal."""
+    if spec.fitted_shape is None:
+        return spec
+    name = "channel_bits" if spec.channel_bits is not None else "channel_scale"
+    table = getattr(spec, name)
+    if len(set(table)) != 1:
+        raise ValueError(f"a {spec.format} codec fitted per kv head cannot be split over mesh axis {axes.model!r}: "
+                         f"every shard runs one static spec, so its heads' {name} rows must be equal")
+    return dataclasses.replace(spec, **{name: table[:heads]})
+
+
+def _local_loops(loops, heads: int, axes: MeshAxes):
+    return tuple(dataclasses.replace(loop, key_spec=_local_spec(loop.key_spec, heads, axes),
+                                     value_spec=_local_spec(loop.value_spec, heads, axes)) for loop in loops)
 
 
 def cache_partition_specs(cache: PagedKVCache, axes: MeshAxes = MeshAxes()):

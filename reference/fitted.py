@@ -12,7 +12,9 @@ significant first), bit ``i`` of the row being bit ``i % 8`` of byte ``i // 8``;
 
 ``int4_scaled`` (``axis="token"`` only): ``y = x / s`` per element in float32 (correctly rounded; ``s =
 scales[head, channel]``; subnormal inputs read as zeros first), then :func:`reference.int4.encode_int4` of ``y`` (subnormal quotients read as
-zeros, as INT4 reads subnormal inputs). Decoding: ``float32(decode_int4(...) * s)``.
+zeros, as INT4 reads subnormal inputs). Decoding: ``code * float32(scale16 * s) + float32(min16 * s)``; the
+divisors have at most 9 significant bits, so both products are exact and the decode rounds once (as a fused
+multiply-add would).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import floats
-from .int4 import decode_affine, decode_int4, encode_affine, encode_int4, flush_subnormals
+from .int4 import decode_affine, encode_affine, encode_int4, flush_subnormals, unpack_nibbles
 
 
 def pack_widths(codes: np.ndarray, widths: np.ndarray) -> np.ndarray:
@@ -93,11 +95,16 @@ def encode_int4_scaled(x: np.ndarray, group_size: int, scales):
 
 
 def decode_int4_scaled(payload, minimum, scale, group_size: int, scales, shape):
-    """Decode to float32 ``shape``: ``float32(decode_int4(...) * s)``."""
-    decoded = decode_int4(payload, minimum, scale, "token", group_size, shape)
+    """Decode to float32 ``shape``: ``code * float32(scale16 * s) + float32(min16 * s)`` (both products exact for
+    divisors of at most 9 significant bits; asserted)."""
+    codes = unpack_nibbles(np.asarray(payload), shape[2])
     scales = np.asarray(scales, dtype=np.float32)
     out = np.zeros(shape, dtype=np.float32)
-    for index in np.ndindex(*shape):
+    for t, h, c in np.ndindex(*shape):
+        s = scales[h, c]
+        step = np.float32(np.float32(scale[t, h, c // group_size]) * s)
+        low = np.float32(np.float32(minimum[t, h, c // group_size]) * s)
+        assert float(step) == float(scale[t, h, c // group_size]) * float(s), "inexact: more than 9-bit divisors?"
         with np.errstate(over="ignore", invalid="ignore"):
-            out[index] = np.float32(decoded[index] * scales[index[1], index[2]])
+            out[t, h, c] = np.float32(np.float32(np.float32(codes[t, h, c]) * step) + low)
     return out

@@ -11,19 +11,31 @@ from __future__ import annotations
 import numpy as np
 
 from . import rotations
+from .fitted import decode_int4_scaled, decode_int_mixed, encode_int4_scaled, encode_int_mixed
 from .int2 import decode_int2, encode_int2
 from .int3 import decode_int3, encode_int3
 from .int4 import decode_int4, encode_int4
 from .nvfp4 import decode_nvfp4, encode_nvfp4
 
 
-def round_trip(tile: np.ndarray, codec) -> np.ndarray:
-    """Encode then decode a float32 ``[rows, 1, D]`` tile with ``codec``.
+def round_trip(tile: np.ndarray, codec, head: int = 0) -> np.ndarray:
+    """Encode then decode a float32 ``[rows, 1, D]`` tile (of kv head ``head``) with ``codec``.
 
     ``codec`` is ``(format, axis, group_size)`` or, for the rotated formats,
-    ``(format, axis, group_size, rotation_seed)``; NVFP4 uses the tile's own amax.
+    ``(format, axis, group_size, rotation_seed)``, or, for the fitted formats,
+    ``(format, axis, group_size, None, table)`` with ``table`` the ``[H, D]``
+    widths (``int_mixed``) or divisors (``int4_scaled``), of which the tile
+    takes row ``head``; NVFP4 uses the tile's own amax.
     """
     fmt, axis, group_size = codec[:3]
+    if fmt == "int_mixed":
+        widths = np.asarray(codec[4])[head:head + 1]
+        e = encode_int_mixed(tile, group_size, widths)
+        return decode_int_mixed(e["payload"], e["minimum"], e["scale"], group_size, widths, tile.shape)
+    if fmt == "int4_scaled":
+        scales = np.asarray(codec[4], np.float32)[head:head + 1]
+        e = encode_int4_scaled(tile, group_size, scales)
+        return decode_int4_scaled(e["payload"], e["minimum"], e["scale"], group_size, scales, tile.shape)
     if fmt in ROW_CODECS:
         seed = codec[3] if len(codec) > 3 else None
         rows = [ROW_CODECS[fmt](tile[r, 0], group_size, seed) for r in range(tile.shape[0])]
@@ -105,18 +117,18 @@ def reconstruct_pages(history, page_size, sink_tokens, loops, row_positions, loo
             for loop_index in range(loop + 1):
                 codec, _, sparse_rows, *direct = loops[loop_index]
                 if reconstruction is None or (direct and direct[0]):
-                    reconstruction = round_trip(tiles[loop_index][:, None, :], codec)[:, 0, :]
+                    reconstruction = round_trip(tiles[loop_index][:, None, :], codec, head)[:, 0, :]
                     continue
                 residual = (tiles[loop_index] - reconstruction).astype(np.float32)
                 if sparse_rows is None:
-                    decoded = round_trip(residual[:, None, :], codec)[:, 0, :]
+                    decoded = round_trip(residual[:, None, :], codec, head)[:, 0, :]
                     reconstruction = (reconstruction + decoded).astype(np.float32)
                     continue
                 positions = [int(p) for p in row_positions[loop_index][head, page] if p >= 0]
                 compact = np.zeros((sparse_rows, head_dim), np.float32)
                 for row, position in enumerate(positions):
                     compact[row] = residual[position]
-                decoded = round_trip(compact[:, None, :], codec)[:, 0, :]
+                decoded = round_trip(compact[:, None, :], codec, head)[:, 0, :]
                 reconstruction = reconstruction.copy()
                 for row, position in enumerate(positions):
                     reconstruction[position] = np.float32(reconstruction[position] + decoded[row])

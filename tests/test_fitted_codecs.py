@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import jflashloop
 import jflashloop_reference as reference
 from jflashloop import CodecSpec
-from jflashloop.codecs import encode_with_statistics
+from jflashloop.codecs import encode_with_statistics, round_channel_scales
 from jflashloop.codecs._packed import pack_nibbles, pack_widths, unpack_widths
 from tests.bits import assert_bits_equal
 from tests.cases import CASES
@@ -36,7 +36,7 @@ def random_widths(rng, heads: int, channels: int) -> np.ndarray:
 
 def random_scales(rng, heads: int, channels: int) -> np.ndarray:
     """float32 divisors over several octaves, with the range's ends."""
-    scales = np.exp2(rng.uniform(-6, 6, (heads, channels))).astype(np.float32)
+    scales = round_channel_scales(np.exp2(rng.uniform(-6, 6, (heads, channels))))
     scales.reshape(-1)[::7] = 2.0**-64
     scales.reshape(-1)[3::11] = 2.0**64
     return scales
@@ -244,8 +244,8 @@ def test_spec_tables_are_normalized_and_serializable():
     assert spec.channel_bits == ((4, 3, 5), (5, 4, 3)) and spec.fitted_shape == (2, 3) and spec.row_bits == 12
     assert hash(spec) == hash(CodecSpec(**dataclasses.asdict(spec)))
     assert spec.for_head(1).channel_bits == ((5, 4, 3),)
-    scaled = CodecSpec("int4_scaled", "token", 64, channel_scale=np.full((1, 2), 0.1))
-    assert scaled.channel_scale == ((float(np.float32(0.1)),) * 2,)  # float32 values
+    scaled = CodecSpec("int4_scaled", "token", 64, channel_scale=round_channel_scales(np.full((1, 2), 0.1)))
+    assert scaled.channel_scale == ((0.10009765625,) * 2,)  # 205 / 2048: 9 significant bits
     assert CodecSpec(**dataclasses.asdict(scaled)) == scaled
     assert "channel_bits" not in repr(CodecSpec("int4", "token", 64))
 
@@ -265,6 +265,8 @@ def test_spec_tables_are_normalized_and_serializable():
     (dict(format="int4_scaled", axis="token", channel_scale=[[0.0]]), r"\[2\*\*-64, 2\*\*64\]"),
     (dict(format="int4_scaled", axis="token", channel_scale=[[float("nan")]]), r"\[2\*\*-64, 2\*\*64\]"),
     (dict(format="int4_scaled", axis="token", channel_scale=[[-1.0]]), r"\[2\*\*-64, 2\*\*64\]"),
+    (dict(format="int4_scaled", axis="token", channel_scale=[[0.1]]), "at most 9 significant bits"),
+    (dict(format="int4_scaled", axis="token", channel_scale=[[1 + 2**-9]]), "at most 9 significant bits"),
     (dict(format="int4", axis="token", channel_scale=[[1.0]]), "applies to 'int4_scaled' only"),
 ])
 def test_spec_rejects_bad_tables(kwargs, match):
@@ -282,3 +284,31 @@ def test_a_tensor_of_other_heads_or_channels_is_refused(rng):
         jflashloop.decode(dataclasses.replace(packed, spec=mixed_spec(random_widths(rng, 1, 13), 8)))
     with pytest.raises(ValueError, match="outside"):
         spec.for_head(2)
+
+
+def test_round_channel_scales():
+    rounded = round_channel_scales([0.1, 1.0, 1 + 2**-9, 1 + 3 * 2**-9, 3.0, 1e30, 1e-30])
+    np.testing.assert_array_equal(rounded, np.array([205 / 2048, 1.0, 1.0, 1 + 2**-7, 3.0, 2.0**64, 2.0**-64],
+                                                    np.float32))  # ties to even: 1 + 2**-9 -> 1
+    assert rounded.dtype == np.float32
+    for bad in ([0.0], [-1.0], [np.inf], [np.nan]):
+        with pytest.raises(ValueError, match="finite and positive"):
+            round_channel_scales(bad)
+
+
+def test_a_fused_multiply_add_cannot_change_the_decode(rng):
+    """A residual chain adds the decoded values to the previous loop inside one jit, where XLA may fuse the decode's
+    last multiply with that add: the 9-bit divisors keep every product exact, so the bits do not move."""
+    scales = random_scales(rng, 1, 16)
+    spec = scaled_spec(scales, 16)
+    first = CASES["random"](rng, (16, 1, 16))
+    second = first + np.float32(0.2) * CASES["random"](rng, (16, 1, 16))
+
+    def chain(first, second):
+        rebuilt = jflashloop.decode(jflashloop.encode(first, spec))
+        return rebuilt + jflashloop.decode(jflashloop.encode(second - rebuilt, spec))
+
+    _, rebuilt = oracle(first, spec)
+    _, delta = oracle((second - rebuilt).astype(np.float32), spec)
+    expected = (rebuilt + delta).astype(np.float32)
+    assert_bits_equal(jax.jit(chain)(first, second), expected, "chain under jit")

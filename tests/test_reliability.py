@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import struct
+import types
 
 import jax
 import jax.numpy as jnp
@@ -422,6 +423,48 @@ BAD_INPUTS = [
          "page_size": 64, "layers": [{"keys": {"format": "int4", "axis": "channel", "group_size": 0},
                                       "values": {"format": "int4", "axis": "token", "group_size": 64}}]}),
      ValueError, "layers\\[0\\].keys is not a valid CodecSpec: CodecSpec.group_size must be >= 1, got 0"),
+    ("CodecSpec int_mixed: heads whose widths sum differently",
+     lambda: jflashloop.CodecSpec("int_mixed", "channel", 64, channel_bits=[[4, 4], [4, 3]]),
+     ValueError, "CodecSpec.channel_bits: every head's widths must sum to the same row width, got \\[8, 7\\]"),
+    ("CodecSpec int4_scaled: a divisor of more than 9 significant bits",
+     lambda: jflashloop.CodecSpec("int4_scaled", "token", 64, channel_scale=[[0.1]]),
+     ValueError, "CodecSpec.channel_scale entries must have at most 9 significant bits "
+                 "\\(jflashloop.codecs.round_channel_scales makes them\\), got 0.1"),
+    ("encode: a fitted spec of other kv heads or channels",
+     lambda: jflashloop.encode(jnp.zeros((2, 3, 4)), jflashloop.CodecSpec("int_mixed", "channel", 64,
+                                                                          channel_bits=[[4] * 4] * 2)),
+     ValueError, "int_mixed was fitted for \\[kv_heads, channels\\] = \\[2, 4\\], got a tensor with \\[3, 4\\]"),
+    ("CacheConfig: int_mixed rows that are not whole words",
+     lambda: CacheConfig(num_layers=1, num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,
+                         max_pages_per_sequence=2, page_size=16, loops=(LoopStorage(
+                             jflashloop.CodecSpec("int_mixed", "channel", 16, channel_bits=[[4] * 14 + [2, 2]]),
+                             jflashloop.INT4_VALUES),)),
+     ValueError, "CacheConfig.loops\\[0\\].key_spec: int_mixed pages need each head's widths to sum to a "
+                 "multiple of 32 bits \\(a row in whole 32-bit words\\), got 60"),
+    ("sharding.local_config: a spec fitted per kv head split over the model axis",
+     lambda: jflashloop.sharding.local_config(
+         CacheConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_pages=4, max_sequences=1,
+                     max_pages_per_sequence=2, page_size=16, loops=(LoopStorage(
+                         jflashloop.CodecSpec("int_mixed", "channel", 16, channel_bits=[[4] * 16, [5, 3] * 8]),
+                         jflashloop.INT4_VALUES),)),
+         types.SimpleNamespace(shape={"data": 1, "model": 2})),
+     ValueError, "a int_mixed codec fitted per kv head cannot be split over mesh axis 'model': every shard runs "
+                 "one static spec, so its heads' channel_bits rows must be equal"),
+    ("fitting.fit_key_widths: a mean width that is not a whole number of bits",
+     lambda: jflashloop.fitting.fit_key_widths(np.ones(4), 4.1),
+     ValueError, "mean_bits \\* head_dim = 16.4 must be a whole number of bits in \\[8, 24\\]"),
+    ("fitting.key_channel_weights: fewer tokens than a group after the sinks",
+     lambda: jflashloop.fitting.key_channel_weights(np.ones((40, 1, 8), np.float32), np.ones((40, 2, 8), np.float32)),
+     ValueError, "need at least group_size=64 tokens after the 4 sink tokens, got 40"),
+    ("codecs.round_channel_scales: a zero, negative or non-finite scale",
+     lambda: jflashloop.codecs.round_channel_scales([1.0, 0.0]),
+     ValueError, "channel scales must be finite and positive"),
+    ("allocation.Candidate.per_layer: layers that store different bits",
+     lambda: jflashloop.allocation.Candidate.per_layer("mixed", [
+         (jflashloop.CodecSpec("int_mixed", "channel", 64, channel_bits=[[4] * 8]), jflashloop.INT4_VALUES),
+         (jflashloop.CodecSpec("int_mixed", "channel", 64, channel_bits=[[5] * 8]), jflashloop.INT4_VALUES)]),
+     ValueError, "candidate 'mixed': every layer must store the same bits per element, got "
+                 "\\[\\(4.5, 4.5\\), \\(5.5, 4.5\\)\\]"),
 ]
 
 

@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from .. import CodecSpec, Policy, allocation, int2_lloyd_max
+from .. import CodecSpec, Policy, allocation, fitting, int2_lloyd_max
 from ..codecs import INT4_GROUP_ROTATED_VALUES, INT4_KEYS, INT4_VALUES, NVFP4
 from ..models import cached_decoding, gguf_loader, llama
 from . import quality
@@ -70,6 +70,32 @@ def candidates(head_dim: int) -> list[allocation.Candidate]:
     return [allocation.Candidate(f"{k} + {v}", key, value) for (k, key), (v, value) in itertools.product(keys, values)]
 
 
+FITTED_KEY_MEANS = (3.0, 3.5, 4.0, 4.5, 5.0)
+"""Mean key widths of the fitted key candidates (those whose rows fill whole 32-bit words at the head_dim)."""
+
+
+def fitted_candidates(keys, values, queries, *, sink_tokens: int) -> list[allocation.Candidate]:
+    """Candidates fitted to each layer of the calibration tensors (:mod:`jflashloop.fitting`): ``int_mixed`` keys
+    at the mean widths of :data:`FITTED_KEY_MEANS` against the fitted ``int4_scaled`` values over 64 or 32
+    channels, and INT4 G64 keys against the fitted values over 64 channels (the value scales alone).
+
+    Args:
+      keys, values: ``[layers, T, kv_heads, D]`` and queries ``[layers, T, q_heads, D]`` on the calibration text.
+    """
+    keys, values, queries = (np.asarray(x, np.float32) for x in (keys, values, queries))
+    layers, _, _, head_dim = keys.shape
+    fitted_keys = [(f"K fitted/ch G64 mean {mean:g}",
+                    [fitting.fitted_keys(keys[i], queries[i], mean, sink_tokens=sink_tokens) for i in range(layers)])
+                   for mean in FITTED_KEY_MEANS if (mean * head_dim) % 32 == 0]
+    fitted_values = [(f"V int4 scaled G{group}",
+                      [fitting.fitted_values(values[i], group_size=group, sink_tokens=sink_tokens)
+                       for i in range(layers)]) for group in (64, 32)]
+    pairs = [(k, kspecs, v, vspecs) for k, kspecs in fitted_keys for v, vspecs in fitted_values]
+    pairs.append(("K int4/ch G64", [INT4_KEYS] * layers, *fitted_values[0]))
+    return [allocation.Candidate.per_layer(f"{k} + {v}", zip(kspecs, vspecs, strict=True))
+            for k, kspecs, v, vspecs in pairs]
+
+
 def layer_errors(cands, keys, values, queries, *, sink_tokens: int, recent_tokens: int,
                  description: str = "candidates") -> np.ndarray:
     """float64 ``[layers, candidates]``: mean attention-output error over the query heads of each layer.
@@ -80,7 +106,8 @@ def layer_errors(cands, keys, values, queries, *, sink_tokens: int, recent_token
     bar = _bar(len(cands), description)
     columns = []
     for candidate in cands:
-        policy = Policy(candidate.name, candidate.key_spec, candidate.value_spec, sink_tokens, recent_tokens)
+        policy = Policy(candidate.name, candidate.key_spec, candidate.value_spec, sink_tokens, recent_tokens,
+                        layer_specs=candidate.layer_specs)
         columns.append(quality.kv_errors(policy, keys, values, queries)["attention_error"].mean(axis=1))
         if bar:
             bar.update()
@@ -118,28 +145,37 @@ def _summary(name, errors_held, choice, costs) -> dict:
 
 
 def sensitivities(path, cands, tensors, *, tokens: int, sink_tokens: int, recent_tokens: int):
-    """``(calibration, held_out)`` errors ``[layers, candidates]``: read from the ``.npz`` at ``path`` when it
-    holds this study's candidates, tokens and windows, else measured (:func:`layer_errors`) and saved there."""
-    names = np.array([c.name for c in cands])
+    """``(calibration, held_out)`` errors ``[layers, candidates]``: each candidate's columns read from the ``.npz``
+    at ``path`` when it holds them for these tokens and windows, the others measured (:func:`layer_errors`) and
+    added there (a candidate is known by its name)."""
+    names = [c.name for c in cands]
     settings = np.array([tokens, sink_tokens, recent_tokens])
+    known = {}  # name -> (calibration column, held-out column) of a stored study with these settings
     if path:
         try:
             with np.load(path) as stored:
-                if np.array_equal(stored["names"], names) and np.array_equal(stored["settings"], settings):
-                    return stored["calibration"], stored["held_out"]
+                if np.array_equal(stored["settings"], settings):
+                    known = {str(name): (stored["calibration"][:, i], stored["held_out"][:, i])
+                             for i, name in enumerate(stored["names"])}
         except (OSError, KeyError, ValueError):
             pass  # absent or another study's: measure
-    windows = dict(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
-    calibration = layer_errors(cands, *tensors["calibration_text.txt"], **windows, description="calibration")
-    held_out = layer_errors(cands, *tensors["eval_text.txt"], **windows, description="held-out")
-    if path:
-        np.savez(path, names=names, settings=settings, calibration=calibration, held_out=held_out)
-    return calibration, held_out
+    missing = [c for c in cands if c.name not in known]
+    if missing:
+        windows = dict(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
+        calibration = layer_errors(missing, *tensors["calibration_text.txt"], **windows, description="calibration")
+        held_out = layer_errors(missing, *tensors["eval_text.txt"], **windows, description="held-out")
+        known.update({c.name: (calibration[:, i], held_out[:, i]) for i, c in enumerate(missing)})
+        if path:
+            every = sorted(known)
+            np.savez(path, names=np.array(every), settings=settings,
+                     calibration=np.stack([known[n][0] for n in every], axis=1),
+                     held_out=np.stack([known[n][1] for n in every], axis=1))
+    return (np.stack([known[n][0] for n in names], axis=1), np.stack([known[n][1] for n in names], axis=1))
 
 
 def run(*, bits: float | None, context: int, tokens: int, prefix: int, sink_tokens: int, recent_tokens: int,
         out: str | None, plot: str | None, objective: str = "squares",
-        sensitivity: str | None = None) -> tuple[list[dict], dict]:
+        sensitivity: str | None = None, fitted: bool = True) -> tuple[list[dict], dict]:
     """The whole study; returns (rows, summary) for :func:`markdown_table`."""
     power = OBJECTIVES[objective]
     params, config, tokenizer = gguf_loader.load_smollm2()
@@ -147,6 +183,8 @@ def run(*, bits: float | None, context: int, tokens: int, prefix: int, sink_toke
              for name in ("calibration_text.txt", "eval_text.txt")}
     tensors = {name: llama.prefill(params, config, np.asarray(ids, np.int32))[1:] for name, ids in texts.items()}
     cands = candidates(config.head_dim)
+    if fitted:
+        cands += fitted_candidates(*tensors["calibration_text.txt"], sink_tokens=sink_tokens)
     costs = np.array([allocation.candidate_bits(c, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                                                 context_tokens=context, sink_tokens=sink_tokens,
                                                 recent_tokens=recent_tokens) for c in cands])
@@ -247,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default="jflashloop_allocation.png", help="PNG of the error per layer")
     parser.add_argument("--objective", choices=sorted(OBJECTIVES), default="squares",
                         help="minimize the summed per-layer errors, or their squares (the worst layers weigh more)")
+    parser.add_argument("--no-fitted", dest="fitted", action="store_false",
+                        help="leave out the candidates fitted to each layer (int_mixed keys, int4_scaled values)")
     parser.add_argument("--sensitivity", default=None,
                         help="an .npz caching the per-layer errors of every candidate (read if it matches, else "
                              "written): other budgets and objectives without measuring again")
@@ -254,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     rows, summary = run(bits=args.bits, context=args.context, tokens=args.tokens, prefix=args.prefix,
                         sink_tokens=args.sink, recent_tokens=args.recent, out=args.out, plot=args.plot,
-                        objective=args.objective, sensitivity=args.sensitivity)
+                        objective=args.objective, sensitivity=args.sensitivity, fitted=args.fitted)
     table = markdown_table(rows, summary)
     print(table)
     print("\nallocated:", ", ".join(f"{i}: {name}" for i, name in enumerate(summary["choices"])))

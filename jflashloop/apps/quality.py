@@ -100,7 +100,7 @@ def reconstructed_kv(config: CacheConfig, keys, values) -> tuple[np.ndarray, np.
     """Prefill one sequence and read back every layer's K/V as attention sees it.
 
     Layers are independent in the cache, so each is run through a one-layer
-    cache of the same policy (one compilation serves every layer).
+    cache of its own policy (one compilation serves every layer stored alike).
 
     Args:
       config: the cache configuration (its ``num_layers`` is ignored).
@@ -110,9 +110,9 @@ def reconstructed_kv(config: CacheConfig, keys, values) -> tuple[np.ndarray, np.
       decoded, windows unquantized (the cache state after the prompt).
     """
     tokens = keys.shape[1]
-    one_layer = dataclasses.replace(config, num_layers=1)
     out_k, out_v = [], []
     for layer in range(keys.shape[0]):
+        one_layer = dataclasses.replace(config.layer(layer), num_layers=1)
         cache = _prefill(paged_cache.create(one_layer), 0, keys[layer, None, None], values[layer, None, None], tokens)
         paged_cache.check(cache)
         layer_keys, layer_values = _reconstruct_all_layers(cache)

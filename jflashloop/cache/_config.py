@@ -179,9 +179,12 @@ class CacheConfig:
                 if not isinstance(spec, CodecSpec):
                     raise TypeError(f"{where} must be a CodecSpec, got {type(spec).__name__}")
                 try:
-                    spec.check_shape((1, 1, self.head_dim))
+                    spec.check_shape((1, self.num_kv_heads, self.head_dim))
                 except ValueError as error:
                     raise ValueError(f"{where}: {error}") from None
+                if spec.format == "int_mixed" and spec.row_bits % 32:
+                    raise ValueError(f"{where}: int_mixed pages need each head's widths to sum to a multiple of 32 "
+                                     f"bits (a row in whole 32-bit words), got {spec.row_bits}")
                 if spec.format in ("int2", "int2_lloyd_max", "e8") and self.head_dim % 16:
                     raise ValueError(f"{where}: {spec.format} pages need head_dim divisible by 16")
                 if spec.format == "int3" and self.head_dim % 32:

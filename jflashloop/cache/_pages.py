@@ -25,6 +25,7 @@ saturation rules (``jflashloop.codecs._statistics``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,6 +39,7 @@ from ..codecs._spec import AFFINE_FORMATS
 from ..codecs._statistics import int4_saturated_groups, nvfp4_saturated
 from ..ops import _dispatch
 from ..ops._page_quantization import (
+    each_head,
     encode_pages,
     encode_tiles,
     encode_tiles_with_codec,
@@ -63,7 +65,8 @@ def _stream_template(spec: CodecSpec, kv_heads: int, pages: int, rows: int, head
 
 def decode_tiles(stream: PagedStream) -> jax.Array:
     """Decode every tile: float32 ``[pages, rows, kv_heads, head_dim]``."""
-    decoded = jax.vmap(jax.vmap(lambda p: decode(p, jnp.float32)))(tile_packed(stream))
+    decoded = each_head(lambda packed, spec: jax.vmap(lambda p: decode(p, jnp.float32))(
+        dataclasses.replace(packed, spec=spec)), tile_packed(stream), stream.spec)
     return jnp.transpose(decoded[:, :, :, 0, :], (1, 2, 0, 3))
 
 

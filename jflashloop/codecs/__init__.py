@@ -37,6 +37,7 @@ from ._spec import NVFP4 as NVFP4
 from ._spec import CodecSpec as CodecSpec
 from ._spec import int2_lloyd_max as int2_lloyd_max
 from ._spec import int4_rotated as int4_rotated
+from ._spec import round_channel_scales as round_channel_scales
 from ._statistics import EncodeStatistics as EncodeStatistics
 
 __all__ = [

@@ -11,7 +11,8 @@ float32(scale16) + float32(min16)``. INT4 packs two codes per byte
 bytes (:func:`~jflashloop.codecs._packed.pack_triplets`), INT2 four codes per byte
 (:func:`~jflashloop.codecs._packed.pack_crumbs`). ``int_mixed`` takes ``M = 2**b - 1`` for each
 channel's width ``b`` and packs a bit stream of those widths (:func:`~jflashloop.codecs._packed.pack_widths`);
-``int4_scaled`` is INT4 of ``x / s`` (``s`` per head and channel), decoded times ``s``.
+``int4_scaled`` is INT4 of ``x / s`` (``s`` per head and channel, 9 significant bits), decoded as
+``code * (scale16 * s) + min16 * s`` (exact products).
 
 float32 subnormal inputs are read as zeros and a group whose span is below
 ``2**-121`` gets scale 1 (:data:`MINIMUM_SPAN`), so no subnormal arithmetic
@@ -205,13 +206,18 @@ def affine_statistics(x: jax.Array, spec: CodecSpec, implementation: str) -> Enc
 
 
 def decode_affine(packed: Packed) -> jax.Array:
-    """float32 ``[T, H, C]``: ``code * float32(scale16) + float32(min16)`` (``int4_scaled``: times ``s``)."""
+    """float32 ``[T, H, C]``: ``code * float32(scale16) + float32(min16)`` (``int4_scaled``: ``code * (scale16 * s)
+    + min16 * s``)."""
     spec, shape = packed.spec, packed.shape
     codes = unpack_codes(packed.payload, spec, shape[2]).astype(jnp.float32)
     groups = _grouped(codes, spec)
     scale = _expand(packed.scale.astype(jnp.float32), spec)
     minimum = _expand(packed.minimum.astype(jnp.float32), spec)
-    decoded = _ungrouped(groups * scale + minimum, spec, shape)
     if spec.format == "int4_scaled":
-        decoded = decoded * channel_scales(spec)
-    return decoded
+        # code * (scale16 * s) + min16 * s: both products are exact (11 + 9 significant bits, then 4 + 20), so a
+        # fused multiply-add, wherever a compiler forms one, rounds exactly as the separate operations do.
+        def per_element(metadata):
+            return _ungrouped(jnp.broadcast_to(metadata, groups.shape), spec, shape) * channel_scales(spec)
+
+        return codes * per_element(scale) + per_element(minimum)
+    return _ungrouped(groups * scale + minimum, spec, shape)

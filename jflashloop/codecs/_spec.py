@@ -24,6 +24,7 @@ AFFINE_MAX_CODE = {"int4": 15, "int3": 7, "int2": 3, "int4_scaled": 15}
 FITTED_FORMATS = ("int_mixed", "int4_scaled")
 MAX_CHANNEL_BITS = 8
 CHANNEL_SCALE_RANGE = (2.0**-64, 2.0**64)
+CHANNEL_SCALE_BITS = 9  # significant bits of an int4_scaled divisor: its decode's products stay exact
 # Formats whose group is the whole head, rotated by a seeded randomized Hadamard.
 HEAD_ROTATED_FORMATS = ("int4_rotated", "int2_lloyd_max")
 # Formats rotated by a plain normalized Hadamard (over the head for e8, per group otherwise).
@@ -59,13 +60,27 @@ def _width(item) -> int:
     return int(item)
 
 
+def round_channel_scales(values) -> np.ndarray:
+    """float32 ``values`` (any shape, positive) rounded to :data:`CHANNEL_SCALE_BITS` significant bits (nearest,
+    ties to even) and clipped to :data:`CHANNEL_SCALE_RANGE`: valid ``int4_scaled`` divisors."""
+    values = np.asarray(values, np.float64)
+    if not np.all(np.isfinite(values) & (values > 0)):
+        raise ValueError("channel scales must be finite and positive")
+    mantissa, exponent = np.frexp(values)  # values = mantissa * 2**exponent, mantissa in [0.5, 1)
+    rounded = np.ldexp(np.rint(np.ldexp(mantissa, CHANNEL_SCALE_BITS)), exponent - CHANNEL_SCALE_BITS)
+    return np.clip(rounded, *CHANNEL_SCALE_RANGE).astype(np.float32)
+
+
 def _channel_scale(item) -> float:
     if isinstance(item, bool) or not isinstance(item, (int, float, np.integer, np.floating)):
         raise ValueError(f"CodecSpec.channel_scale entries must be numbers, got {item!r}")
-    value = float(np.float32(item))
+    value = float(item)
     low, high = CHANNEL_SCALE_RANGE
     if not low <= value <= high:
-        raise ValueError(f"CodecSpec.channel_scale entries must be float32 numbers in [2**-64, 2**64], got {item!r}")
+        raise ValueError(f"CodecSpec.channel_scale entries must be numbers in [2**-64, 2**64], got {item!r}")
+    if float(round_channel_scales(value)) != value:
+        raise ValueError(f"CodecSpec.channel_scale entries must have at most {CHANNEL_SCALE_BITS} significant bits "
+                         f"(jflashloop.codecs.round_channel_scales makes them), got {item!r}")
     return value
 
 
@@ -104,9 +119,9 @@ class CodecSpec:
         converted), every head's widths summing to the same row width. None
         for every other format.
       channel_scale: ``"int4_scaled"`` only: the divisor of every channel,
-        ``[kv_heads][channels]`` float32 numbers in ``[2**-64, 2**64]``
-        (stored as the Python floats of their float32 values). None for every
-        other format.
+        ``[kv_heads][channels]`` numbers in ``[2**-64, 2**64]`` with at most 9
+        significant bits (:func:`round_channel_scales` makes them). None for
+        every other format.
 
     Fitted formats (:data:`FITTED_FORMATS`, made by
     :mod:`jflashloop.fitting` from a model's own keys, values and queries):
@@ -122,9 +137,12 @@ class CodecSpec:
       of 4 and G = 64, INT4's bytes).
     * ``"int4_scaled"`` (``axis="token"``, the V layout): INT4 of ``x / s``
       per (token, kv_head, group of channels), ``s = channel_scale[head]
-      [channel]`` (float32, correctly rounded division; a quotient beyond
-      float32 is +-inf and stored as INT4 stores it), decoded as
-      ``float32(INT4 decode) * s``. INT4's arrays and bytes.
+      [channel]`` (float32, correctly rounded division, subnormal inputs and
+      quotients read as zeros; a quotient beyond float32 is +-inf and stored as
+      INT4 stores it), decoded as ``code * (scale16 * s) + min16 * s`` in
+      float32: with 9-bit divisors both products are exact, so the decode
+      rounds once wherever a compiler fuses a multiply and an add. INT4's
+      arrays and bytes.
 
     A tensor of a fitted format must have exactly the table's kv_heads and
     channels (:meth:`check_shape`); :meth:`for_head` gives one head's spec.
@@ -226,6 +244,17 @@ class CodecSpec:
         if self.channel_bits is not None and len({sum(row) for row in self.channel_bits}) != 1:
             raise ValueError("CodecSpec.channel_bits: every head's widths must sum to the same row width, got "
                              f"{[sum(row) for row in self.channel_bits]}")
+
+    def to_json(self) -> dict:
+        """The fields as a JSON-ready dict (``CodecSpec(**spec.to_json()) == spec``); a fitted format's table as
+        nested lists, the other formats without the table fields."""
+        fields = dataclasses.asdict(self)
+        for name in ("channel_bits", "channel_scale"):
+            if fields[name] is None:
+                del fields[name]
+            else:
+                fields[name] = [list(row) for row in fields[name]]
+        return fields
 
     @property
     def fitted_shape(self) -> tuple[int, int] | None:

@@ -20,6 +20,8 @@ both paths give the same bits.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -27,6 +29,7 @@ from jflashloop_pallas_kernels import quantize as quantize_kernel
 
 from ..cache._layout import PagedStream, stored_words, words_from_bytes
 from ..codecs import CodecSpec, encode
+from ..codecs._packed import Packed
 from . import _dispatch
 
 KERNEL_FORMATS = ("int4", "nvfp4")
@@ -98,11 +101,29 @@ def _encode_tiles_kernel(x: jax.Array, spec: CodecSpec, interpret: bool) -> Page
     return _stream(per_tile, spec, rows, head_dim)
 
 
+def each_head(function, tiles, spec: CodecSpec):
+    """``function(tiles[h], spec.for_head(h))`` for every kv head ``h``, stacked on a leading head axis.
+
+    ``tiles``: a pytree whose leaves lead with the head axis. One vmapped call when the spec is the same for
+    every head; a fitted format's heads (:data:`~jflashloop.codecs._spec.FITTED_FORMATS`: per-head tables, static)
+    one call each. Returns the stacked array leaves of ``function``'s results (a pytree of arrays, or of
+    :class:`~jflashloop.codecs.Packed` whose ``spec`` is ``spec``).
+    """
+    if spec.fitted_shape is None:
+        return jax.vmap(lambda head_tiles: function(head_tiles, spec))(tiles)
+    heads = jax.tree.leaves(tiles)[0].shape[0]
+    results = [function(jax.tree.map(lambda leaf, h=h: leaf[h], tiles), spec.for_head(h)) for h in range(heads)]
+    if isinstance(results[0], Packed):  # the heads' specs differ: stack the leaves under the whole spec
+        results = [dataclasses.replace(result, spec=spec, shape=results[0].shape) for result in results]
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *results)
+
+
 def encode_tiles_with_codec(x: jax.Array, spec: CodecSpec, implementation) -> PagedStream:
     """The reference path: :func:`jflashloop.encode` of each ``[rows, 1, head_dim]`` tile."""
     _, rows, _, head_dim = x.shape
     tiles = jnp.transpose(x, (2, 0, 1, 3))[:, :, :, None, :]  # [heads, pages, rows, 1, D]
-    packed = jax.vmap(jax.vmap(lambda tile: encode(tile, spec, implementation=implementation)))(tiles)
+    packed = each_head(lambda head_tiles, head_spec: jax.vmap(
+        lambda tile: encode(tile, head_spec, implementation=implementation))(head_tiles), tiles, spec)
 
     def drop_head_axis(leaf):
         return None if leaf is None else leaf[:, :, :, 0, :]

@@ -38,8 +38,16 @@ _DTYPES = ("bool", "int8", "int32", "uint8", "uint32", "float16", "float32", "bf
 
 
 def config_to_json(config: CacheConfig) -> dict:
-    """A JSON-ready dict of every :class:`CacheConfig` field."""
-    return dataclasses.asdict(config)
+    """A JSON-ready dict of every :class:`CacheConfig` field (each codec as :meth:`CodecSpec.to_json`)."""
+    def loops_to(loops):
+        return [{**dataclasses.asdict(loop), "key_spec": loop.key_spec.to_json(),
+                 "value_spec": loop.value_spec.to_json()} for loop in loops]
+
+    fields = dataclasses.asdict(config)
+    fields["loops"] = loops_to(config.loops)
+    if config.layer_loops is not None:
+        fields["layer_loops"] = [loops_to(loops) for loops in config.layer_loops]
+    return fields
 
 
 def config_from_json(data: Mapping) -> CacheConfig:
