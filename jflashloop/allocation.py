@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -232,10 +233,12 @@ def policy_from_json(data: Mapping) -> Policy:
 
 def save_policy(path: str | os.PathLike, policy: Policy, metadata: Mapping[str, Any] | None = None) -> None:
     """Write :func:`policy_to_json` of ``policy`` to ``path`` (UTF-8 JSON, indented)."""
-    document = policy_to_json(policy, metadata)
+    text = json.dumps(policy_to_json(policy, metadata), indent=1, sort_keys=False)
+    # A fitted codec's table row (a list of numbers) on one line, not one number a line.
+    text = re.sub(r"\[\s*([-+0-9.eE]+(?:,\s*[-+0-9.eE]+)*)\s*\]",
+                  lambda match: "[" + ", ".join(item.strip() for item in match.group(1).split(",")) + "]", text)
     with open(os.fsdecode(path), "w", encoding="utf-8") as handle:
-        json.dump(document, handle, indent=1, sort_keys=False)
-        handle.write("\n")
+        handle.write(text + "\n")
 
 
 def load_policy(path: str | os.PathLike) -> Policy:

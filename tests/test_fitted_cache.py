@@ -90,6 +90,9 @@ def test_files_and_policies_keep_the_tables(rng, tmp_path):
     policy = jflashloop.Policy("fitted", keys, values, 4, 16, 16, layer_specs=((keys, values),) * 2)
     allocation.save_policy(tmp_path / "policy.json", policy)
     assert allocation.load_policy(tmp_path / "policy.json") == policy
+    text = (tmp_path / "policy.json").read_text()
+    assert "[" + ", ".join(str(b) for b in keys.channel_bits[0]) + "]" in text  # a table row on one line
+    assert len(text.splitlines()) < 100
 
 
 def test_bytes_are_int4s_at_a_mean_width_of_four(rng):

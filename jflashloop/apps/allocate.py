@@ -37,6 +37,7 @@ import itertools
 import sys
 import time
 
+import jax
 import numpy as np
 
 from .. import CodecSpec, Policy, allocation, fitting, int2_lloyd_max
@@ -160,11 +161,16 @@ def sensitivities(path, cands, tensors, *, tokens: int, sink_tokens: int, recent
         except (OSError, KeyError, ValueError):
             pass  # absent or another study's: measure
     missing = [c for c in cands if c.name not in known]
-    if missing:
-        windows = dict(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
-        calibration = layer_errors(missing, *tensors["calibration_text.txt"], **windows, description="calibration")
-        held_out = layer_errors(missing, *tensors["eval_text.txt"], **windows, description="held-out")
-        known.update({c.name: (calibration[:, i], held_out[:, i]) for i, c in enumerate(missing)})
+    uniform = [c for c in missing if c.layer_specs is None]
+    windows = dict(sink_tokens=sink_tokens, recent_tokens=recent_tokens)
+    # The uniform candidates together; then each per-layer candidate on its own (a compilation per layer), saved
+    # as it is measured and with the compiled caches dropped after it (hundreds of executables would not fit).
+    for batch in ([uniform] if uniform else []) + [[c] for c in missing if c.layer_specs is not None]:
+        calibration = layer_errors(batch, *tensors["calibration_text.txt"], **windows, description="calibration")
+        held_out = layer_errors(batch, *tensors["eval_text.txt"], **windows, description="held-out")
+        known.update({c.name: (calibration[:, i], held_out[:, i]) for i, c in enumerate(batch)})
+        if batch[0].layer_specs is not None:
+            jax.clear_caches()
         if path:
             every = sorted(known)
             np.savez(path, names=np.array(every), settings=settings,
