@@ -4,7 +4,8 @@ Calibrates on one text (``calibration_text.txt``, shipped) and reports on
 another (``eval_text.txt``, the text of bench/QUALITY.md):
 
 1. **Sensitivity**: for every candidate (a key codec x a value codec, see
-   :func:`candidates`) the attention-output relative error of every layer,
+   :func:`candidates`, and the codecs fitted to each layer of the calibration
+   text, :func:`fitted_candidates`, unless ``--no-fitted``) the attention-output relative error of every layer,
    float64, with the model's own queries at the last 32 positions against the
    unquantized K/V (:func:`jflashloop.apps.quality.kv_errors`; layers are
    independent in the cache, so a per-layer policy's error at layer ``l`` is
@@ -27,7 +28,7 @@ The allocated policy is written as JSON (:func:`jflashloop.allocation.save_polic
 ``jflashloop.allocation.load_policy(path).cache_config(...)`` makes its cache).
 
 Usage: ``jflashloop allocate [--bits 4.53] [--context 32768] [--objective sum|squares] [--sensitivity F.npz]
-[--out policy.json] [--markdown F] [--plot F]``
+[--no-fitted] [--out policy.json] [--markdown F] [--plot F]``
 """
 
 from __future__ import annotations

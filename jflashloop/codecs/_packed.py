@@ -26,8 +26,9 @@ class Packed:
       channel ``c`` (even) in its low nibble and ``c + 1`` in its high nibble;
       an odd channel count leaves the last high nibble zero. INT3:
       ``ceil(3 * channels / 8)`` bytes (:func:`pack_triplets`); INT2:
-      ``ceil(channels / 4)`` bytes (:func:`pack_crumbs`).
-    * ``scale``: the affine formats (INT4, INT3, INT2): float16 ``spec.metadata_shape(shape)``; NVFP4:
+      ``ceil(channels / 4)`` bytes (:func:`pack_crumbs`); ``int_mixed``:
+      ``ceil(row_bits / 8)`` bytes (:func:`pack_widths`); ``int4_scaled``: INT4's.
+    * ``scale``: the affine formats (INT4, INT3, INT2 and the fitted ones): float16 ``spec.metadata_shape(shape)``; NVFP4:
       float8_e4m3fn ``[tokens, kv_heads, ceil(channels / 16)]``.
     * ``minimum``: the affine formats only, float16, same shape as ``scale``; None for NVFP4.
     * ``global_scale``: NVFP4 only, float32 ``[]``: the decode multiplier
