@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cache._config import Policy
 from .codecs import CodecSpec, round_channel_scales
 
 KEY_WIDTHS = (2, 3, 4, 5, 6)
@@ -147,3 +148,41 @@ def fitted_values(values, *, group_size: int = 64, exponent: float = VALUE_EXPON
     :func:`fit_value_scales`."""
     scales = fit_value_scales(values, exponent=exponent, sink_tokens=sink_tokens)
     return CodecSpec("int4_scaled", "token", group_size, channel_scale=scales.tolist())
+
+
+def fitted_policy(keys, values, queries, mean_bits: float = 4.0, *, name: str = "fitted", group_size: int = 64,
+                  value_group_size: int = 64, sink_tokens: int = Policy.sink_tokens, recent_tokens: int | None = Policy.recent_tokens,
+                  page_size: int = Policy.page_size) -> Policy:
+    """A per-layer :class:`~jflashloop.Policy` of fitted codecs for a whole model: layer ``l`` takes
+    :func:`fitted_keys` and :func:`fitted_values` of its own tensors.
+
+    Args:
+      keys, values: float ``[layers, tokens, kv_heads, head_dim]``, the model's (post-RoPE) K/V on calibration
+        text.
+      queries: float ``[layers, tokens, q_heads, head_dim]``, its queries on the same tokens.
+      mean_bits: mean key width (``mean_bits * head_dim`` a multiple of 32).
+      group_size: tokens per key group (must divide ``page_size``); value_group_size: channels per value group.
+      name, sink_tokens, recent_tokens, page_size: the policy's.
+    Returns:
+      ``Policy`` with ``layer_specs``; ``policy.cache_config(num_layers=layers, num_kv_heads=..., head_dim=...,
+      max_tokens=...)`` makes the cache, :func:`jflashloop.allocation.save_policy` its file.
+
+    Example:
+      >>> import numpy as np
+      >>> from jflashloop import fitting
+      >>> rng = np.random.default_rng(0)
+      >>> keys, values = rng.standard_normal((2, 2, 256, 2, 64), dtype=np.float32)
+      >>> queries = rng.standard_normal((2, 256, 4, 64), dtype=np.float32)
+      >>> policy = fitting.fitted_policy(keys, values, queries)
+      >>> len(policy.layer_specs), policy.layer_specs[1][0].format
+      (2, 'int_mixed')
+    """
+    keys, values, queries = np.asarray(keys), np.asarray(values), np.asarray(queries)
+    if keys.ndim != 4 or values.shape != keys.shape or queries.ndim != 4 or len(queries) != len(keys):
+        raise ValueError("keys and values must be [layers, tokens, kv_heads, head_dim] of one shape and queries "
+                         f"[layers, tokens, q_heads, head_dim], got {keys.shape}, {values.shape}, {queries.shape}")
+    specs = tuple((fitted_keys(keys[layer], queries[layer], mean_bits, group_size=group_size,
+                               sink_tokens=sink_tokens),
+                   fitted_values(values[layer], group_size=value_group_size, sink_tokens=sink_tokens))
+                  for layer in range(len(keys)))
+    return Policy(name, specs[0][0], specs[0][1], sink_tokens, recent_tokens, page_size, layer_specs=specs)

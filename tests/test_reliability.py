@@ -459,6 +459,10 @@ BAD_INPUTS = [
     ("codecs.round_channel_scales: a zero, negative or non-finite scale",
      lambda: jflashloop.codecs.round_channel_scales([1.0, 0.0]),
      ValueError, "channel scales must be finite and positive"),
+    ("fitting.fitted_policy: tensors that are not [layers, tokens, heads, head_dim]",
+     lambda: jflashloop.fitting.fitted_policy(np.ones((8, 1, 8)), np.ones((8, 1, 8)), np.ones((8, 2, 8))),
+     ValueError, "keys and values must be \\[layers, tokens, kv_heads, head_dim\\] of one shape and queries "
+                 "\\[layers, tokens, q_heads, head_dim\\], got \\(8, 1, 8\\), \\(8, 1, 8\\), \\(8, 2, 8\\)"),
     ("allocation.Candidate.per_layer: layers that store different bits",
      lambda: jflashloop.allocation.Candidate.per_layer("mixed", [
          (jflashloop.CodecSpec("int_mixed", "channel", 64, channel_bits=[[4] * 8]), jflashloop.INT4_VALUES),
