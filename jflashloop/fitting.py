@@ -56,8 +56,9 @@ def key_channel_weights(keys, queries, *, group_size: int = 64, sink_tokens: int
 
     Args:
       keys: float ``[tokens, kv_heads, head_dim]``, the layer's (post-RoPE) keys on calibration text.
-      queries: float ``[tokens, q_heads, head_dim]``, its queries on the same tokens; query head ``j`` reads kv
-        head ``j // (q_heads // kv_heads)``.
+      queries: float ``[query_tokens, q_heads, head_dim]``, the layer's queries: on the same tokens (then the
+        sink tokens' queries are left out too) or any other sample of them (e.g. recorded while decoding; all
+        count); query head ``j`` reads kv head ``j // (q_heads // kv_heads)``.
       group_size: tokens per key quantization group (the page's groups).
       sink_tokens: leading tokens left out (the cache keeps them exact).
     Raises:
@@ -65,15 +66,16 @@ def key_channel_weights(keys, queries, *, group_size: int = 64, sink_tokens: int
     """
     keys, queries = _layer_tensor("keys", keys), _layer_tensor("queries", queries)
     tokens, heads, head_dim = keys.shape
-    if queries.shape[0] != tokens or queries.shape[2] != head_dim or queries.shape[1] % heads:
-        raise ValueError(f"queries must be [tokens={tokens}, a multiple of kv_heads={heads}, head_dim={head_dim}], "
+    if queries.shape[2] != head_dim or queries.shape[1] % heads:
+        raise ValueError(f"queries must be [query_tokens, a multiple of kv_heads={heads}, head_dim={head_dim}], "
                          f"got {queries.shape}")
     groups = (tokens - sink_tokens) // group_size
     if groups < 1:
         raise ValueError(f"need at least group_size={group_size} tokens after the {sink_tokens} sink tokens, "
                          f"got {tokens}")
     group = queries.shape[1] // heads
-    q2 = (queries[sink_tokens:].reshape(tokens - sink_tokens, heads, group, head_dim) ** 2).mean(axis=(0, 2))
+    sample = queries[sink_tokens:] if len(queries) == tokens else queries
+    q2 = (sample.reshape(len(sample), heads, group, head_dim) ** 2).mean(axis=(0, 2))
     pages = keys[sink_tokens:sink_tokens + groups * group_size].reshape(groups, group_size, heads, head_dim)
     return q2 * ((pages.max(axis=1) - pages.min(axis=1)) ** 2).mean(axis=0)
 

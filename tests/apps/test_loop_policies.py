@@ -82,9 +82,25 @@ def test_bytes_per_token_of_the_flashloop_policy():
     assert ratio == Fraction(65536, 10895)
 
 
+def placeholder_fitted(policy) -> dict:
+    """Fitted codecs of the right shapes for ``policy``'s fitted loops (widths alternating about the mean, unit
+    divisors), as :func:`policies.fitted_specs` returns them."""
+    fitted = {}
+    for loop, entry in enumerate(policy):
+        codec = entry.removeprefix("direct ")
+        if codec in policies.FITTED_CODECS:
+            mean = policies.FITTED_CODECS[codec]
+            row = [int(mean + 0.5), int(mean)] * (TINY.head_dim // 2)
+            keys = CodecSpec("int_mixed", "channel", 64, channel_bits=[row] * TINY.kv_heads)
+            values = CodecSpec("int4_scaled", "token", 64, channel_scale=[[1.0] * TINY.head_dim] * TINY.kv_heads)
+            fitted[(codec, loop)] = [(keys, values)] * TINY.layers
+    return fitted
+
+
 @pytest.mark.parametrize("name", sorted(policies.POLICIES))
 def test_every_policy_makes_a_valid_cache(name):
-    config = policies.policy_config(policies.POLICIES[name], TINY, 1, 64)
+    policy = policies.POLICIES[name]
+    config = policies.policy_config(policy, TINY, 1, 64, fitted=placeholder_fitted(policy))
     per_token, ratio = policies.bytes_per_token(config)
     assert config.num_loops == TINY.loops and not config.loops[0].is_sparse
     assert float(ratio) == pytest.approx(16384 / per_token, rel=1e-12)
@@ -112,3 +128,26 @@ def test_a_small_sweep():
     table = policies.format_table(results)
     assert table.count("\n") == 4 and "| 2/2 |" in table
     assert f"{flashloop['bytes_per_token']:,.1f}" in table
+
+
+def test_fitted_codecs_are_fitted_to_each_loop_that_stores_them():
+    params = ouro.init_params(SMALL, jax.random.PRNGKey(0))
+    held_out = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4000).astype(np.uint8)
+    settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,), query_positions=4)
+    policy = ("fit", "direct fit3.5", "int2a 16", "int2a 4")
+    fitted = policies.fitted_specs(params, SMALL, held_out, [policy, policies.FLASHLOOP], settings)
+    assert set(fitted) == {("fit", 0), ("fit3.5", 1)} and len(fitted[("fit", 0)]) == SMALL.layers
+    keys, values = fitted[("fit", 0)][0]
+    assert keys.format == "int_mixed" and keys.row_bits == 4 * SMALL.head_dim and values.format == "int4_scaled"
+    assert fitted[("fit3.5", 1)][0][0].row_bits == 224
+    config = policies.policy_config(policy, SMALL, 2, 512, fitted=fitted)
+    assert config.loops[0] == LoopStorage(keys, values) and config.loops[1].direct
+    assert config.loops[1].key_spec == fitted[("fit3.5", 1)][0][0]
+    assert policies.bytes_per_token(config)[0] < policies.bytes_per_token(
+        policies.policy_config(("int4", "direct int4", "int2a 16", "int2a 4"), SMALL, 2, 512))[0]
+    with pytest.raises(ValueError, match="a fitted codec stores a loop on its own"):
+        policies.fitted_specs(params, SMALL, held_out, [("int4", "fit", "int4 16", "int4 7")], settings)
+    with pytest.raises(ValueError, match="fitted codecs are dense"):
+        policies.fitted_specs(params, SMALL, held_out, [("int4", "int4", "fit 16", "int4 7")], settings)
+    with pytest.raises(ValueError, match="needs codecs fitted to it"):
+        policies.loop_storage("fit", 64)

@@ -13,7 +13,9 @@ and V), ``"int4/int2"`` (K INT4, V INT2) and so on, or ``"<codec> <rows>"`` for
 a sparse residual of ``rows`` rows per 64-token page (codecs per token:
 ``int4``, ``int3``, ``nvfp4``, ``int2``, ``int2a``; ``int3`` is INT3 G64, K per
 channel when dense; ``int2`` is INT2 Lloyd-Max, ``int2a`` the affine INT2 G64,
-the ``"int2"`` format); ``"direct <codec>"`` is a dense loop stored on its own rather
+the ``"int2"`` format; ``fit`` and ``fit3.5``: the codecs fitted to each layer and loop on calibration windows,
+``int_mixed`` keys at a mean width of 4 or 3.5 bits and ``int4_scaled`` values, :mod:`jflashloop.fitting`, for the
+base and direct loops only); ``"direct <codec>"`` is a dense loop stored on its own rather
 than as a residual against the loop before it (``LoopStorage.direct``), and
 ``"direct <codec> @a-b"`` only in layers ``a..b`` (1-based; the other layers
 store that loop as a residual: per-layer policies, ``CacheConfig.layer_loops``).
@@ -32,7 +34,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ... import CacheConfig, storage
+from ... import CacheConfig, fitting, storage
 from ...cache._config import LoopStorage
 from ...codecs import INT4_KEYS, INT4_VALUES, NVFP4, CodecSpec, int2_lloyd_max
 from ...models import ouro
@@ -59,6 +61,11 @@ FLASHLOOP = ("int4", "int4", "int4 16", "int4 7")
 COMPACT_LOOPS = ("int4", "direct int4", "int2a 24", "int2a 10")
 """``CacheConfig.compact_loops``'s policy at 64-token pages: INT4 base, dense INT4 loop 2 stored on its own,
 affine INT2 G64 rows for 37.5 % and 15 % of each page."""
+
+FITTED_CODECS = {"fit": 4.0, "fit3.5": 3.5}
+"""The fitted codecs of a dense loop coded on its own: the mean key width (values: ``int4_scaled``)."""
+CALIBRATION_SEED = 100
+"""The held-out windows the fitted codecs are fitted on (the measured seeds are 0, 1, 2)."""
 
 POLICIES: dict[str, tuple[str, ...]] = {
     "flashloop": FLASHLOOP,
@@ -102,6 +109,10 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "direct loop 2, affine int2 rows 20/8": ("int4", "direct int4", "int2a 20", "int2a 8"),
     "direct loop 2, affine int2 rows 20/6": ("int4", "direct int4", "int2a 20", "int2a 6"),
     "direct loop 2, affine int2 rows 24/6": ("int4", "direct int4", "int2a 24", "int2a 6"),
+    "fitted compact loops": ("fit", "direct fit", "int2a 24", "int2a 10"),
+    "fitted, affine int2 rows 16/8": ("fit", "direct fit", "int2a 16", "int2a 8"),
+    "fitted, affine int2 rows 16/4": ("fit", "direct fit", "int2a 16", "int2a 4"),
+    "fitted 3.5, affine int2 rows 24/10": ("fit3.5", "direct fit3.5", "int2a 24", "int2a 10"),
 }
 
 
@@ -119,15 +130,21 @@ def _spec(codec: str, dense_key: bool, head_dim: int) -> CodecSpec:
     raise ValueError(f"unknown residual codec {codec!r} (int4, int3, nvfp4, int2 or int2a)")
 
 
-def loop_storage(entry: str, head_dim: int) -> LoopStorage:
+def loop_storage(entry: str, head_dim: int, fitted: dict | None = None, *, layer: int = 0, loop: int = 0
+                 ) -> LoopStorage:
     """One loop's :class:`LoopStorage` from ``"codec"``, ``"kcodec/vcodec"`` (dense), ``"codec rows"`` (sparse)
-    or ``"direct codec"`` (dense, stored on its own)."""
+    or ``"direct codec"`` (dense, stored on its own); a fitted codec (:data:`FITTED_CODECS`) takes layer ``layer``'s
+    specs of loop ``loop`` from ``fitted`` (:func:`fitted_specs`)."""
     direct = entry.startswith("direct ")
     if direct:
-        storage = loop_storage(entry.removeprefix("direct "), head_dim)
+        storage = loop_storage(entry.removeprefix("direct "), head_dim, fitted, layer=layer, loop=loop)
         if storage.is_sparse:
             raise ValueError(f"a direct loop is dense, got {entry!r}")
         return dataclasses.replace(storage, direct=True)
+    if entry in FITTED_CODECS:
+        if fitted is None or (entry, loop) not in fitted:
+            raise ValueError(f"{entry!r} in loop {loop + 1} needs codecs fitted to it (fitted_specs)")
+        return LoopStorage(*fitted[(entry, loop)][layer])
     codecs, _, rows = entry.partition(" ")
     key_codec, _, value_codec = codecs.partition("/")
     value_codec = value_codec or key_codec
@@ -150,17 +167,60 @@ def _entry_in_layer(entry: str, layer: int) -> str:
 
 
 def policy_config(policy: tuple[str, ...], model: ouro.OuroConfig, sequences: int, max_tokens: int,
-                  recent_tokens: int | None = RECENT_TOKENS) -> CacheConfig:
+                  recent_tokens: int | None = RECENT_TOKENS, fitted: dict | None = None) -> CacheConfig:
     """A cache for ``model`` storing its loops as ``policy`` (4 sink tokens, ``recent_tokens`` recent
-    ones, 64-token pages; per-layer loops where an entry names layers)."""
+    ones, 64-token pages; per-layer loops where an entry names layers or a codec is fitted, ``fitted`` holding
+    those codecs: :func:`fitted_specs`)."""
     pages = math.ceil(max_tokens / PAGE_SIZE)
-    per_layer = tuple(tuple(loop_storage(_entry_in_layer(entry, layer), model.head_dim) for entry in policy)
+    per_layer = tuple(tuple(loop_storage(_entry_in_layer(entry, layer), model.head_dim, fitted, layer=layer,
+                                         loop=loop) for loop, entry in enumerate(policy))
                       for layer in range(model.layers))
     uniform = all(loops == per_layer[0] for loops in per_layer)
     return CacheConfig(num_layers=model.layers, num_kv_heads=model.kv_heads, head_dim=model.head_dim,
                        num_pages=sequences * pages, max_sequences=sequences, max_pages_per_sequence=pages,
                        loops=per_layer[0], page_size=PAGE_SIZE, recent_tokens=recent_tokens,
                        layer_loops=None if uniform else per_layer)
+
+
+def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies, settings: SweepSettings,
+                 seed: int = CALIBRATION_SEED) -> dict:
+    """``{(codec, loop): [(key_spec, value_spec) per layer]}`` for every fitted codec a policy stores in a loop.
+
+    Fitted (:mod:`jflashloop.fitting`) to that loop's own K/V (the loops that use them are coded on their own)
+    on ``settings.sequences`` held-out windows of ``seed``, with the model's queries at the last 32 positions.
+
+    Raises:
+      ValueError: a fitted codec in a loop that is a residual (neither the base nor direct) or sparse.
+    """
+    wanted = set()
+    for policy in policies:
+        for loop, entry in enumerate(policy):
+            codec = entry.removeprefix("direct ").partition(" @")[0]
+            if codec in FITTED_CODECS:
+                if loop and not entry.startswith("direct "):
+                    raise ValueError(f"{entry!r}: a fitted codec stores a loop on its own (the base or direct)")
+                wanted.add((codec, loop))
+            elif codec.partition(" ")[0] in FITTED_CODECS:
+                raise ValueError(f"{entry!r}: fitted codecs are dense")
+    if not wanted:
+        return {}
+    token_ids = jnp.asarray(held_out_windows(held_out, settings.sequences, settings.tokens, seed))
+    _, keys, values, _ = _forward(params, model, token_ids)
+    queries = np.asarray(model_queries(params, model, token_ids, 32), np.float32)
+    keys, values = np.asarray(keys, np.float32), np.asarray(values, np.float32)
+
+    def flat(x):  # [windows, T, H, D] -> [windows * T, H, D]
+        return x.reshape(-1, *x.shape[-2:])
+
+    fitted = {}
+    for codec, loop in sorted(wanted):
+        fitted[(codec, loop)] = [
+            (CodecSpec("int_mixed", "channel", PAGE_SIZE, channel_bits=fitting.fit_key_widths(
+                np.mean([fitting.key_channel_weights(keys[loop, layer, w], queries[loop, layer, w])
+                         for w in range(settings.sequences)], axis=0), FITTED_CODECS[codec]).tolist()),
+             fitting.fitted_values(flat(values[loop, layer][:, 4:]), sink_tokens=0))
+            for layer in range(model.layers)]
+    return fitted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +251,9 @@ def reference_run(params, model: ouro.OuroConfig, held_out: np.ndarray, settings
 
 
 def measure(params, model: ouro.OuroConfig, policy: tuple[str, ...], reference: dict[str, Any],
-            settings: SweepSettings) -> dict[str, np.ndarray]:
+            settings: SweepSettings, fitted: dict | None = None) -> dict[str, np.ndarray]:
     """``kl`` float64 ``[sequences]`` (mean over teacher-forced steps) and ``attention`` ``[loops]`` (mean over layers)."""
-    config = policy_config(policy, model, settings.sequences, settings.tokens)
+    config = policy_config(policy, model, settings.sequences, settings.tokens, fitted=fitted)
     prompt = settings.prompt_tokens
     keys, values = reference["keys"][:, :, :, :prompt], reference["values"][:, :, :, :prompt]
     cache = prefill_cross_loop_cache(config, keys, values)
@@ -226,17 +286,18 @@ def sweep(params, model: ouro.OuroConfig, held_out: np.ndarray, settings: SweepS
     ``[seeds, loops]``, ``bytes_per_token`` and ``ratio``."""
     results = {name: {"kl": [], "attention": []} for name in policies}
     start = time.perf_counter()
+    fitted = fitted_specs(params, model, held_out, policies.values(), settings)
     for seed in settings.seeds:
         reference = reference_run(params, model, held_out, settings, seed)
         for name, policy in policies.items():
-            measured = measure(params, model, policy, reference, settings)
+            measured = measure(params, model, policy, reference, settings, fitted)
             results[name]["kl"].append(measured["kl"])
             results[name]["attention"].append(measured["attention"])
             log(f"seed {seed} {name}: KL {measured['kl'].mean():.3e} attention "
                 + " ".join(f"{e:.3f}" for e in measured["attention"])
                 + f" ({time.perf_counter() - start:.0f} s)")
     for name, policy in policies.items():
-        per_token, ratio = bytes_per_token(policy_config(policy, model, 1, PAGE_SIZE))
+        per_token, ratio = bytes_per_token(policy_config(policy, model, 1, PAGE_SIZE, fitted=fitted))
         results[name] = {"policy": policy, "kl": np.array(results[name]["kl"]),
                          "attention": np.array(results[name]["attention"]),
                          "bytes_per_token": per_token, "ratio": ratio}
