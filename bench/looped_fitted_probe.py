@@ -3,9 +3,10 @@ on its own, ``direct``) with INT4 G64 against ``int_mixed`` keys and ``int4_scal
 "Codecs fitted to the model").
 
 The tables are fitted (:mod:`jflashloop.fitting`) per layer and loop on calibration windows (seed 100) and
-measured on other held-out windows (seed 0): 8 windows of 512 bytes each. Keys' weights take the query energy
-of the model's own queries at the last 32 positions of each calibration window and the key spans of every
-64-token page; values' divisors the calibration values' RMS. Every stream is coded on its own, pages of 64
+measured on other held-out windows (seed 0): 8 windows of 512 bytes each, as ``jflashloop loops --policies``
+fits its ``fit`` codecs (``policies.fitted_specs``): keys' weights (:func:`jflashloop.fitting.key_channel_weights`)
+from the model's own queries at the last 32 positions of each calibration window and the key spans of its tokens
+after the sinks, averaged over the windows; values' divisors from the calibration values' RMS after the sinks. Every stream is coded on its own, pages of 64
 tokens from position 0, the first 4 and the last 16 tokens exact (the report's windows). Attention error: the
 model's own queries at the last 32 positions of each measured window, float64 causal attention over the window,
 relative error against the exact K/V, mean over windows and layers.
@@ -63,13 +64,11 @@ def specs(policy: str, keys, values, queries):
     if key_code == "int4":
         key_spec = jflashloop.INT4_KEYS
     else:
-        q2 = (queries.astype(np.float64) ** 2).reshape(-1, heads, queries.shape[-2] // heads, head_dim)
-        pages = keys.astype(np.float64).reshape(-1, 64, heads, head_dim)
-        weights = q2.mean(axis=(0, 2)) * ((pages.max(1) - pages.min(1)) ** 2).mean(0)
+        weights = np.mean([fitting.key_channel_weights(keys[w], queries[w]) for w in range(len(keys))], axis=0)
         widths = fitting.fit_key_widths(weights, float(key_code.split()[1]))
         key_spec = jflashloop.CodecSpec("int_mixed", "channel", 64, channel_bits=widths.tolist())
     value_spec = jflashloop.INT4_VALUES if value_code == "int4" else fitting.fitted_values(
-        values.reshape(-1, heads, head_dim), sink_tokens=0)
+        values[:, SINKS:].reshape(-1, heads, head_dim), sink_tokens=0)
     return key_spec, value_spec
 
 
