@@ -18,11 +18,13 @@ both texts:
 * **key channel widths**: per (layer, KV head) each key channel gets its own code width (2-6 bits, the same
   affine rule and float16 metadata per channel over 64 tokens), chosen to minimize the summed score error
   ``sum_c E[q_c^2] E[range_c^2] / (2^b_c - 1)^2`` (``q`` the model's queries of the head's GQA group, ``range``
-  the channel's span over a 64-token group) under a mean width per head (4: INT4's bytes; less: fewer bytes);
-* **value channel scales**: each value channel divided by ``rms_c ** 0.75`` (its RMS over the calibration text's
-  tokens, per layer and KV head) before INT4 per token and multiplied back after decoding (the exponent: the best of
-  0.25, 0.5, 0.75 and 1 on the calibration text), so one large channel no longer sets every token's step. Exact in
-  the attention output's algebra: ``sum_t p_t (s * v_t) = s * sum_t p_t v_t``.
+  the channel's span over a 64-token group) under a mean width per head (4: INT4's bytes; less: fewer bytes):
+  :func:`jflashloop.fitting.key_channel_weights` and :func:`~jflashloop.fitting.fit_key_widths`;
+* **value channel scales**: each value channel divided by ``(rms_c / g) ** 0.75`` (its RMS over the calibration
+  text's tokens after the sinks, per layer and KV head, ``g`` the head's geometric mean; 9 significant bits:
+  :func:`jflashloop.fitting.fit_value_scales`) before INT4 per token and multiplied back after decoding (the
+  exponent: the best of 0.25, 0.5, 0.75 and 1 on the calibration text), so one large channel no longer sets every
+  token's step. Exact in the attention output's algebra: ``sum_t p_t (s * v_t) = s * sum_t p_t v_t``.
 
 Every code here quantizes K per channel over 64 tokens (32 for the absmax and 8-bit-metadata codes) and V per
 token over 64 (32) channels, with float16 metadata (but the 8-bit code), sink tokens 4 and a recent window of 64 tokens exact (the library's default
@@ -39,13 +41,12 @@ from __future__ import annotations
 import numpy as np
 from token_rows_probe import attention_errors, reconstructed
 
-from jflashloop import Policy
+from jflashloop import Policy, fitting
 from jflashloop.codecs import INT4_KEYS, INT4_VALUES
 from jflashloop.models import gguf_loader, llama
 
 TOKENS, SINKS, RECENT = 512, 4, 64
 WIDTHS = (2, 3, 4, 5, 6)  # key channel widths the fitted code may choose
-VALUE_EXPONENT = 0.75  # value channel scale: rms ** VALUE_EXPONENT
 NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
                 -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
                 0.24611230194568634, 0.33791524171829224, 0.44070982098579407, 0.5626170039176941,
@@ -141,33 +142,6 @@ def variants(keys, values, theta):
     return [(label, bits, with_windows(keys, k), with_windows(values, v)) for label, bits, k, v in out]
 
 
-def key_weights(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
-    """float64 ``[layers, kv_heads, D]``: ``E[q_c^2] * E[range_c^2]`` per key channel, the score error a channel
-    brings per squared code step; ``q`` over the head's GQA group and the tokens after the sinks, the range over
-    each 64-token group of ``keys`` ``[layers, T, kv_heads, D]`` (``queries`` ``[layers, T, q_heads, D]``)."""
-    layers, tokens, heads, head_dim = keys.shape
-    group = queries.shape[2] // heads
-    q2 = (queries[:, SINKS:].astype(np.float64).reshape(layers, tokens - SINKS, heads, group, head_dim) ** 2).mean((1, 3))
-    pages = keys[:, :tokens // 64 * 64].astype(np.float64).reshape(layers, tokens // 64, 64, heads, head_dim)
-    return q2 * ((pages.max(2) - pages.min(2)) ** 2).mean(1)
-
-
-def channel_widths(weights: np.ndarray, mean_bits: float) -> np.ndarray:
-    """int ``[..., D]``: per row of ``weights`` ``[..., D]`` the widths in WIDTHS summing to ``mean_bits * D`` that
-    minimize ``sum_c w_c / (2^b_c - 1)^2`` (greedy one bit at a time, optimal since each channel's gain per bit
-    falls as its width grows)."""
-    rows = weights.reshape(-1, weights.shape[-1])
-    widths = np.full(rows.shape, WIDTHS[0])
-
-    def error(w, b):
-        return w / (2.0 ** b - 1) ** 2
-
-    for _ in range(round((mean_bits - WIDTHS[0]) * rows.shape[-1])):
-        gain = np.where(widths < WIDTHS[-1], error(rows, widths) - error(rows, widths + 1), -np.inf)
-        widths[np.arange(len(rows)), gain.argmax(-1)] += 1
-    return widths.reshape(weights.shape)
-
-
 def with_key_widths(keys: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """``keys`` ``[layers, T, kv_heads, D]`` coded per channel over 64 tokens, channel ``c`` of a layer and head
     at ``widths[layer, head, c]`` bits (the affine rule with ``2^b`` uniform levels)."""
@@ -181,14 +155,16 @@ def with_key_widths(keys: np.ndarray, widths: np.ndarray) -> np.ndarray:
 def calibrated_variants(calibration, keys, values):
     """``(label, bits per element of the pages, keys_hat, values_hat)`` of the codes fitted on ``calibration``
     (the calibration text's ``(keys, values, queries)``)."""
-    weights = key_weights(calibration[0], calibration[2])
-    scale = np.sqrt((calibration[1][:, SINKS:].astype(np.float64) ** 2).mean(1, keepdims=True)) ** VALUE_EXPONENT
+    keys_c, values_c, queries_c = calibration
+    weights = np.stack([fitting.key_channel_weights(k, q, sink_tokens=SINKS) for k, q in zip(keys_c, queries_c,
+                                                                                             strict=True)])
+    scale = np.stack([fitting.fit_value_scales(v, sink_tokens=SINKS) for v in values_c])[:, None]
     values_int4 = grouped(values, 3, 64, affine(UNIFORM))
     values_scaled = (grouped(values / scale, 3, 64, affine(UNIFORM)) * scale).astype(np.float32)
     out = [("INT4 G64 (the reference row)", 4.5, grouped(keys, 1, 64, affine(UNIFORM)), values_int4),
            ("value channel scales", 4.5, grouped(keys, 1, 64, affine(UNIFORM)), values_scaled)]
     for mean in (4.0, 3.5, 3.25, 3.0):
-        keys_hat = with_key_widths(keys, channel_widths(weights, mean))
+        keys_hat = with_key_widths(keys, fitting.fit_key_widths(weights, mean, widths=WIDTHS))
         bits = (mean + 0.5 + 4.5) / 2
         if mean == 4.0:
             out.append((f"key channel widths (mean {mean})", bits, keys_hat, values_int4))
