@@ -188,14 +188,14 @@ def test_each_channel_has_its_own_step(rng):
 
 
 def test_scales_take_an_outlier_channel_out_of_every_token_step(rng):
-    x = CASES["random"](rng, (32, 1, 16))
+    x = rng.standard_normal((32, 1, 16)).astype(np.float32)
     x[:, :, 5] *= 100.0
     scales = np.ones((1, 16), np.float32)
     scales[0, 5] = 100.0
     plain = np.asarray(_encode_decode(jnp.asarray(x), CodecSpec("int4", "token", 16))[2])
     scaled = np.asarray(_encode_decode(jnp.asarray(x), scaled_spec(scales, 16))[2])
     others = np.arange(16) != 5
-    assert np.abs(scaled - x)[..., others].mean() * 5 < np.abs(plain - x)[..., others].mean()
+    assert np.abs(scaled - x)[..., others].mean() * 8 < np.abs(plain - x)[..., others].mean()  # about 20x
 
 
 # --------------------------------------------------------------------------- packing

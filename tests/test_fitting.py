@@ -134,7 +134,7 @@ def test_fitted_specs_beat_int4_at_its_bytes(rng):
     assert key_spec.bits_per_element() == value_spec.bits_per_element() == 4.5
     held_out = layer(rng, sizes)
     int4 = attention_error(*held_out, jflashloop.INT4_KEYS, jflashloop.INT4_VALUES)
-    assert attention_error(*held_out, key_spec, value_spec) < 0.8 * int4
+    assert attention_error(*held_out, key_spec, value_spec) < 0.85 * int4  # 0.64 on average, 0.73 at most in 52 draws
     assert attention_error(*held_out, key_spec, jflashloop.INT4_VALUES) < int4  # each fit helps on its own
     assert attention_error(*held_out, jflashloop.INT4_KEYS, value_spec) < int4
 
