@@ -65,8 +65,7 @@ def specs(policy: str, keys, values, queries):
         key_spec = jflashloop.INT4_KEYS
     else:
         weights = np.mean([fitting.key_channel_weights(keys[w], queries[w]) for w in range(len(keys))], axis=0)
-        widths = fitting.fit_key_widths(weights, float(key_code.split()[1]))
-        key_spec = jflashloop.CodecSpec("int_mixed", "channel", 64, channel_bits=widths.tolist())
+        key_spec = fitting.keys_from_weights(weights, float(key_code.split()[1]))
     value_spec = jflashloop.INT4_VALUES if value_code == "int4" else fitting.fitted_values(
         values[:, SINKS:].reshape(-1, heads, head_dim), sink_tokens=0)
     return key_spec, value_spec

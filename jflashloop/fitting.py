@@ -131,17 +131,23 @@ def fit_value_scales(values, *, exponent: float = VALUE_EXPONENT, sink_tokens: i
     return round_channel_scales(relative**exponent)
 
 
+def keys_from_weights(weights, mean_bits: float = 4.0, *, group_size: int = 64, widths=KEY_WIDTHS) -> CodecSpec:
+    """The ``int_mixed`` key spec (per channel over ``group_size`` tokens) of :func:`fit_key_widths` of
+    ``weights`` float ``[kv_heads, head_dim]`` (e.g. :func:`key_channel_weights` averaged over several samples)."""
+    chosen = fit_key_widths(weights, mean_bits, widths=widths)
+    return CodecSpec("int_mixed", "channel", group_size, channel_bits=chosen.tolist())
+
+
 def fitted_keys(keys, queries, mean_bits: float = 4.0, *, group_size: int = 64, sink_tokens: int = 4,
                 widths=KEY_WIDTHS) -> CodecSpec:
-    """The ``int_mixed`` key spec of one layer: :func:`fit_key_widths` of :func:`key_channel_weights`.
+    """The ``int_mixed`` key spec of one layer: :func:`keys_from_weights` of :func:`key_channel_weights`.
 
     ``mean_bits * head_dim`` must be a multiple of 32 for a cache's pages (a row in whole 32-bit words): at
     head_dim 64, means of 3, 3.5, 4, 4.5, ...; the spec then stores ``mean_bits + 32 / group_size`` bits per
     element. Arguments as in those functions.
     """
     weights = key_channel_weights(keys, queries, group_size=group_size, sink_tokens=sink_tokens)
-    chosen = fit_key_widths(weights, mean_bits, widths=widths)
-    return CodecSpec("int_mixed", "channel", group_size, channel_bits=chosen.tolist())
+    return keys_from_weights(weights, mean_bits, group_size=group_size, widths=widths)
 
 
 def fitted_values(values, *, group_size: int = 64, exponent: float = VALUE_EXPONENT,

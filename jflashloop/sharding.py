@@ -66,13 +66,11 @@ def local_config(config: CacheConfig, mesh: Mesh, axes: MeshAxes = MeshAxes()) -
                 f"{axis!r} ({size})"
             )
     heads = config.num_kv_heads // model
-    layer_loops = config.layer_loops
-    if model > 1:
-        layer_loops = None if layer_loops is None else tuple(_local_loops(loops, heads, axes) for loops in layer_loops)
     return dataclasses.replace(
         config,
-        loops=_local_loops(config.loops, heads, axes) if model > 1 else config.loops,
-        layer_loops=layer_loops,
+        loops=_local_loops(config.loops, heads, axes),
+        layer_loops=None if config.layer_loops is None else tuple(
+            _local_loops(loops, heads, axes) for loops in config.layer_loops),
         num_kv_heads=heads,
         max_sequences=config.max_sequences // data,
         num_pages=config.num_pages // data,
@@ -82,14 +80,13 @@ def local_config(config: CacheConfig, mesh: Mesh, axes: MeshAxes = MeshAxes()) -
 def _local_spec(spec, heads: int, axes: MeshAxes):
     """A fitted format's spec for a shard of ``heads`` kv heads: its table cut to ``heads`` rows, which every shard
     shares (one static spec runs on every shard), so the heads' rows must be equal."""
-    if spec.fitted_shape is None:
+    if spec.fitted_table is None or len(spec.fitted_table[1]) == heads:
         return spec
-    name = "channel_bits" if spec.channel_bits is not None else "channel_scale"
-    table = getattr(spec, name)
+    name, table = spec.fitted_table
     if len(set(table)) != 1:
         raise ValueError(f"a {spec.format} codec fitted per kv head cannot be split over mesh axis {axes.model!r}: "
                          f"every shard runs one static spec, so its heads' {name} rows must be equal")
-    return dataclasses.replace(spec, **{name: table[:heads]})
+    return spec.for_heads(0, heads)
 
 
 def _local_loops(loops, heads: int, axes: MeshAxes):

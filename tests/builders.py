@@ -74,8 +74,7 @@ def looped_tokens(rng, config, tokens, *, batch=None):
 def oracle_codec(spec):
     """A codec spec as the oracle's ``(format, axis, group_size, rotation_seed, table)`` tuple (``table``: a
     fitted format's per-head widths or divisors, None otherwise)."""
-    table = spec.channel_bits if spec.channel_bits is not None else spec.channel_scale
-    return (spec.format, spec.axis, spec.group_size, spec.rotation_seed, table)
+    return (spec.format, spec.axis, spec.group_size, spec.rotation_seed, spec.fitted_table and spec.fitted_table[1])
 
 
 def oracle_sequence(cache, history_k, history_v, layer, loop, slot, *, include_pending=False, stored_pages=None):

@@ -463,6 +463,9 @@ BAD_INPUTS = [
      lambda: jflashloop.fitting.fitted_policy(np.ones((8, 1, 8)), np.ones((8, 1, 8)), np.ones((8, 2, 8))),
      ValueError, "keys and values must be \\[layers, tokens, kv_heads, head_dim\\] of one shape and queries "
                  "\\[layers, tokens, q_heads, head_dim\\], got \\(8, 1, 8\\), \\(8, 1, 8\\), \\(8, 2, 8\\)"),
+    ("CodecSpec.for_heads: heads outside a fitted spec's table",
+     lambda: jflashloop.CodecSpec("int_mixed", "channel", 64, channel_bits=[[4] * 8] * 2).for_heads(1, 3),
+     ValueError, "heads 1..2 are outside the spec's 2 kv heads"),
     ("allocation.Candidate.per_layer: layers that store different bits",
      lambda: jflashloop.allocation.Candidate.per_layer("mixed", [
          (jflashloop.CodecSpec("int_mixed", "channel", 64, channel_bits=[[4] * 8]), jflashloop.INT4_VALUES),

@@ -257,10 +257,17 @@ class CodecSpec:
         return fields
 
     @property
+    def fitted_table(self) -> tuple[str, tuple[tuple, ...]] | None:
+        """``(field name, table)`` of a fitted format (``channel_bits`` or ``channel_scale``); None otherwise."""
+        for name in ("channel_bits", "channel_scale"):
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
+
+    @property
     def fitted_shape(self) -> tuple[int, int] | None:
         """``(kv_heads, channels)`` of a fitted format's table; None for the other formats."""
-        table = self.channel_bits if self.channel_bits is not None else self.channel_scale
-        return None if table is None else (len(table), len(table[0]))
+        return None if self.fitted_table is None else (len(self.fitted_table[1]), len(self.fitted_table[1][0]))
 
     @property
     def row_bits(self) -> int:
@@ -269,15 +276,20 @@ class CodecSpec:
             raise ValueError(f"row_bits is defined for 'int_mixed' only, not {self.format!r}")
         return sum(self.channel_bits[0])
 
-    def for_head(self, head: int) -> CodecSpec:
-        """The spec of kv head ``head`` alone (a fitted format's table row; any other spec unchanged)."""
-        if self.fitted_shape is None:
+    def for_heads(self, start: int, stop: int) -> CodecSpec:
+        """The spec of kv heads ``start .. stop - 1`` (a fitted format's table rows; any other spec unchanged)."""
+        if self.fitted_table is None:
             return self
-        if not 0 <= head < self.fitted_shape[0]:
+        name, table = self.fitted_table
+        if not 0 <= start < stop <= len(table):
+            raise ValueError(f"heads {start}..{stop - 1} are outside the spec's {len(table)} kv heads")
+        return dataclasses.replace(self, **{name: table[start:stop]})
+
+    def for_head(self, head: int) -> CodecSpec:
+        """The spec of kv head ``head`` alone (:meth:`for_heads`)."""
+        if self.fitted_table is not None and not 0 <= head < self.fitted_shape[0]:
             raise ValueError(f"head {head} is outside the spec's {self.fitted_shape[0]} kv heads")
-        if self.channel_bits is not None:
-            return dataclasses.replace(self, channel_bits=(self.channel_bits[head],))
-        return dataclasses.replace(self, channel_scale=(self.channel_scale[head],))
+        return self.for_heads(head, head + 1)
 
     def check_shape(self, shape: tuple[int, int, int]) -> None:
         """Raise ``ValueError`` if a ``[tokens, kv_heads, channels]`` shape cannot use this format."""

@@ -212,13 +212,14 @@ def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies,
     def flat(x):  # [windows, T, H, D] -> [windows * T, H, D]
         return x.reshape(-1, *x.shape[-2:])
 
+    sinks = CacheConfig.sink_tokens
     fitted = {}
     for codec, loop in sorted(wanted):
         fitted[(codec, loop)] = [
-            (CodecSpec("int_mixed", "channel", PAGE_SIZE, channel_bits=fitting.fit_key_widths(
-                np.mean([fitting.key_channel_weights(keys[loop, layer, w], queries[loop, layer, w])
-                         for w in range(settings.sequences)], axis=0), FITTED_CODECS[codec]).tolist()),
-             fitting.fitted_values(flat(values[loop, layer][:, 4:]), sink_tokens=0))
+            (fitting.keys_from_weights(np.mean([
+                fitting.key_channel_weights(keys[loop, layer, w], queries[loop, layer, w], sink_tokens=sinks)
+                for w in range(settings.sequences)], axis=0), FITTED_CODECS[codec], group_size=PAGE_SIZE),
+             fitting.fitted_values(flat(values[loop, layer][:, sinks:]), sink_tokens=0))
             for layer in range(model.layers)]
     return fitted
 
