@@ -35,9 +35,10 @@ from jflashloop.models.stdlib_text import default_root, load_corpus
 
 TOKENS, WINDOWS, SINKS, RECENT, SCORED = 512, 8, 4, 16, 32
 POLICIES = ("int4", "fitted 4 + scaled", "fitted 3.5 + scaled", "fitted 3 + scaled", "fitted 4 + int4",
-            "int4 + scaled")
+            "int4 + scaled", "fitted 4 + scaled, principal axes", "fitted 3.5 + scaled, principal axes")
 """Key code + value code: INT4 G64, or fitted key widths at a mean of 4, 3.5 or 3 bits, or the fitted value
-scales."""
+scales; ``, principal axes``: both coded in a fitted orthogonal basis per (layer, KV head) (:func:`principal_axes`:
+scores and outputs are unchanged by it, so a kernel would rotate the query and the output instead)."""
 
 
 def looped_tensors(params, config, held_out, seed: int):
@@ -57,10 +58,36 @@ def coded(x: np.ndarray, spec) -> np.ndarray:
     return out
 
 
+def principal_axes(x: np.ndarray) -> np.ndarray:
+    """float64 ``[H, D, D]``, orthogonal per head: the eigenvectors of ``E[x x^T]`` of ``x`` ``[N, H, D]``
+    (columns by decreasing eigenvalue)."""
+    x = x.astype(np.float64)
+    return np.stack([np.linalg.eigh(x[:, h].T @ x[:, h])[1][:, ::-1] for h in range(x.shape[1])])
+
+
+def rotated(x: np.ndarray, axes) -> np.ndarray:
+    """``x`` ``[..., H, D]`` in the basis ``axes`` ``[H, D, D]`` (``x`` itself for ``None``)."""
+    return x if axes is None else np.einsum("...hd,hde->...he", x, axes)
+
+
+def unrotated(x: np.ndarray, axes) -> np.ndarray:
+    return x if axes is None else np.einsum("...he,hde->...hd", x, axes)
+
+
 def specs(policy: str, keys, values, queries):
-    """``(key_spec, value_spec)`` of ``policy`` fitted to one layer and loop of the calibration windows."""
+    """``(key_spec, value_spec, key_axes, value_axes)`` of ``policy`` fitted to one layer and loop of the
+    calibration windows (the axes ``None`` without a basis)."""
+    policy, _, basis = policy.partition(", ")
     key_code, value_code = policy.split(" + ") if " + " in policy else (policy, policy)
     heads, head_dim = keys.shape[-2:]
+    key_axes = value_axes = None
+    if basis == "principal axes":
+        key_axes = principal_axes(keys[:, SINKS:].reshape(-1, heads, head_dim))
+        value_axes = principal_axes(values[:, SINKS:].reshape(-1, heads, head_dim))
+        group = queries.shape[-2] // heads  # query head j reads KV head j // group
+        keys, values = rotated(keys, key_axes), rotated(values, value_axes)
+        queries = rotated(queries.reshape(*queries.shape[:-2], heads, group, head_dim).swapaxes(-2, -3),
+                          key_axes).swapaxes(-2, -3).reshape(queries.shape)
     if key_code == "int4":
         key_spec = jflashloop.INT4_KEYS
     else:
@@ -68,7 +95,7 @@ def specs(policy: str, keys, values, queries):
         key_spec = fitting.keys_from_weights(weights, float(key_code.split()[1]))
     value_spec = jflashloop.INT4_VALUES if value_code == "int4" else fitting.fitted_values(
         values[:, SINKS:].reshape(-1, heads, head_dim), sink_tokens=0)
-    return key_spec, value_spec
+    return key_spec, value_spec, key_axes, value_axes
 
 
 def main() -> None:
@@ -83,13 +110,15 @@ def main() -> None:
         for policy in POLICIES:
             errors, bits = [], None
             for layer in range(checkpoint.config.layers):
-                key_spec, value_spec = specs(policy, *(x[loop, layer] for x in calibration))
+                key_spec, value_spec, key_axes, value_axes = specs(policy, *(x[loop, layer] for x in calibration))
                 bits = (key_spec.bits_per_element() + value_spec.bits_per_element()) / 2
                 for window in range(WINDOWS):
                     k, v = keys[loop, layer, window], values[loop, layer, window]
                     q = queries[loop, layer, window]
                     exact = causal_attention_float64(q, k, v, positions)
-                    approx = causal_attention_float64(q, coded(k, key_spec), coded(v, value_spec), positions)
+                    approx = causal_attention_float64(q, unrotated(coded(rotated(k, key_axes), key_spec), key_axes),
+                                                      unrotated(coded(rotated(v, value_axes), value_spec), value_axes),
+                                                      positions)
                     errors.append(relative_error(approx, exact))
             print(f"| {loop + 1} | {policy} | {bits:g} | {np.mean(errors):.4f} |", flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s")
