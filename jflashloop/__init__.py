@@ -37,6 +37,7 @@ from .cache._config import CacheConfig as CacheConfig
 from .cache._config import LoopStorage as LoopStorage
 from .cache._config import Policy as Policy
 from .cache._config import sparse_loop as sparse_loop
+from .cache._prediction import LoopPrediction as LoopPrediction
 from .codecs import E8_KEYS as E8_KEYS
 from .codecs import INT4_GROUP_ROTATED_VALUES as INT4_GROUP_ROTATED_VALUES
 from .codecs import INT4_KEYS as INT4_KEYS
@@ -85,6 +86,7 @@ __all__ = [
     "Chain",
     "CodecSpec",
     "EncodeStatistics",
+    "LoopPrediction",
     "LoopStorage",
     "NonFiniteInputError",
     "Packed",

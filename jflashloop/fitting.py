@@ -11,6 +11,9 @@ tables that these functions choose from one layer's calibration tensors:
   (``rms_c`` its RMS, ``g`` the head's geometric mean of them) before INT4 per token, so one large channel no
   longer sets every token's step; the attention output is linear in the values, so nothing else changes.
 
+And for a looped model's later loops, :func:`fitted_prediction`: a per-head affine map from the loop before
+(:class:`~jflashloop.LoopPrediction`, ``LoopStorage.prediction``), fitted by least squares.
+
 On SmolLM2-135M both together cut the held-out attention-output error 1.45x at INT4 G64's bytes
 (``bench/QUALITY.md``, "Codes fitted to the model"). Fit on one text and check on another: the tables are
 statistics of the calibration text.
@@ -33,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cache._config import Policy
+from .cache._prediction import LoopPrediction
 from .codecs import CodecSpec, round_channel_scales
 
 KEY_WIDTHS = (2, 3, 4, 5, 6)
@@ -129,6 +133,43 @@ def fit_value_scales(values, *, exponent: float = VALUE_EXPONENT, sink_tokens: i
     rms = np.where(rms > 0, rms, np.where(np.isfinite(floor), floor, 1.0))
     relative = rms / np.exp(np.log(rms).mean(axis=1, keepdims=True))
     return round_channel_scales(relative**exponent)
+
+
+def fitted_prediction(previous_keys, previous_values, keys, values, *, sink_tokens: int = 4) -> LoopPrediction:
+    """The :class:`~jflashloop.LoopPrediction` of one layer's loop from the loop before it, by least squares.
+
+    Per KV head, ``x ~ previous @ M + b`` for the keys and for the values over the tokens after the sinks (float64
+    solve, tables rounded to float32). Fit on the *reconstruction* of the loop before (as the cache decodes it:
+    :func:`jflashloop.paged_cache.reconstruct`), since that is what the cache applies the prediction to.
+
+    Args:
+      previous_keys, previous_values: float ``[tokens, kv_heads, head_dim]``, the loop before (reconstructed).
+      keys, values: float ``[tokens, kv_heads, head_dim]``, the loop to predict (exact), the same tokens.
+      sink_tokens: leading tokens left out (the cache keeps them exact).
+    Returns:
+      A :class:`~jflashloop.LoopPrediction` of ``kv_heads`` heads.
+    Raises:
+      ValueError: shapes that differ, non-finite inputs, or fewer than ``head_dim + 1`` tokens after the sinks.
+    """
+    tensors = [_layer_tensor(name, x) for name, x in (("previous_keys", previous_keys),
+                                                      ("previous_values", previous_values), ("keys", keys),
+                                                      ("values", values))]
+    if len({x.shape for x in tensors}) != 1:
+        raise ValueError(f"the four tensors must have one shape, got {[x.shape for x in tensors]}")
+    tokens, heads, head_dim = tensors[0].shape
+    if tokens - sink_tokens < head_dim + 1:
+        raise ValueError(f"need at least head_dim + 1 = {head_dim + 1} tokens after the {sink_tokens} sink tokens, "
+                         f"got {tokens - sink_tokens}")
+    tables = []
+    for source, target in ((tensors[0], tensors[2]), (tensors[1], tensors[3])):
+        matrices, biases = [], []
+        for head in range(heads):
+            design = np.concatenate([source[sink_tokens:, head], np.ones((tokens - sink_tokens, 1))], axis=1)
+            solution = np.linalg.lstsq(design, target[sink_tokens:, head], rcond=None)[0]  # [D + 1, D]
+            matrices.append(solution[:-1])
+            biases.append(solution[-1])
+        tables += [np.stack(matrices), np.stack(biases)]
+    return LoopPrediction.from_arrays(*tables)
 
 
 def keys_from_weights(weights, mean_bits: float = 4.0, *, group_size: int = 64, widths=KEY_WIDTHS) -> CodecSpec:

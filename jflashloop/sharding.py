@@ -89,9 +89,20 @@ def _local_spec(spec, heads: int, axes: MeshAxes):
     return spec.for_heads(0, heads)
 
 
+def _local_prediction(prediction, heads: int, axes: MeshAxes):
+    """A loop's prediction for a shard of ``heads`` kv heads, under the same rule as :func:`_local_spec`."""
+    if prediction is None or prediction.num_kv_heads == heads:
+        return prediction
+    if not prediction.same_for_every_head:
+        raise ValueError(f"a loop prediction fitted per kv head cannot be split over mesh axis {axes.model!r}: "
+                         "every shard runs one static config, so its heads' tables must be equal")
+    return prediction.for_heads(0, heads)
+
+
 def _local_loops(loops, heads: int, axes: MeshAxes):
     return tuple(dataclasses.replace(loop, key_spec=_local_spec(loop.key_spec, heads, axes),
-                                     value_spec=_local_spec(loop.value_spec, heads, axes)) for loop in loops)
+                                     value_spec=_local_spec(loop.value_spec, heads, axes),
+                                     prediction=_local_prediction(loop.prediction, heads, axes)) for loop in loops)
 
 
 def cache_partition_specs(cache: PagedKVCache, axes: MeshAxes = MeshAxes()):

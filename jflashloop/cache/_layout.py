@@ -171,14 +171,15 @@ class LoopTiles:
     """The stored tiles of one loop for some pages.
 
     Attributes:
-      keys, values: :class:`PagedStream` (``rows`` per tile).
+      keys, values: :class:`PagedStream` (``rows`` per tile); None for a loop
+        that stores no rows (a predicted loop with ``sparse_rows_per_page=0``).
       row_positions: sparse loops only: int8 ``[kv_heads, pages, rows]``, the
         position inside the page that each compact row updates (increasing;
-        -1 marks an unused row); None for dense loops.
+        -1 marks an unused row); None for dense loops and loops with no rows.
     """
 
-    keys: PagedStream
-    values: PagedStream
+    keys: PagedStream | None
+    values: PagedStream | None
     row_positions: jax.Array | None
 
     def take(self, pages: jax.Array) -> LoopTiles:

@@ -45,8 +45,11 @@ from ..ops._page_quantization import (
     encode_tiles_with_codec,
     mask_sink_rows,
 )
-from ._config import CacheConfig
+from ._config import CacheConfig, LoopStorage
 from ._layout import LoopTiles, PagedStream, tile_packed
+
+NO_TILES = LoopTiles(None, None, None)
+"""The tiles of a loop that stores no rows (``sparse_rows_per_page=0``, a predicted loop): no leaves."""
 
 
 def empty_stream(spec: CodecSpec, kv_heads: int, pages: int, rows: int, head_dim: int) -> PagedStream:
@@ -130,7 +133,8 @@ def tile_saturations(tiles: tuple[LoopTiles, ...]) -> jax.Array:
     """int32 ``[pages]``: elements stored at a limit, over every loop's K and V tiles."""
     total = 0
     for loop_tiles in tiles:
-        total = total + stream_saturations(loop_tiles.keys) + stream_saturations(loop_tiles.values)
+        if loop_tiles.keys is not None:  # a loop with no rows stores nothing
+            total = total + stream_saturations(loop_tiles.keys) + stream_saturations(loop_tiles.values)
     return total
 
 
@@ -174,9 +178,12 @@ def pack_pages_with_saturations(
         storage = config.loops[loop]
         key_rows, value_rows = (mask_sink_rows(x, page_numbers, config.sink_tokens) for x in target)
         if predecessor is not None:
+            predecessor = predicted(storage, predecessor)
             key_rows = key_rows - predecessor[0]
             value_rows = value_rows - predecessor[1]
         row_positions = None
+        if storage.sparse_rows_per_page == 0:  # a predicted loop with no rows: nothing stored
+            return loop, NO_TILES
         if storage.is_sparse:
             energy = jnp.sum(key_rows**2, axis=-1) + jnp.sum(value_rows**2, axis=-1)
             positions = _select_rows(energy, eligible, storage.sparse_rows_per_page)  # [pages, heads, rows]
@@ -192,20 +199,39 @@ def pack_pages_with_saturations(
         else:
             key_tiles = encode_tiles(key_rows, storage.key_spec, implementation)
             value_tiles = encode_tiles(value_rows, storage.value_spec, implementation)
-        return LoopTiles(key_tiles, value_tiles, row_positions)
+        return loop, LoopTiles(key_tiles, value_tiles, row_positions)
 
     targets = [(keys[loop], values[loop]) for loop in range(config.num_loops)]
-    tiles = _chains.encode_loops(targets, encode_step, apply_loop, starts=config.chain_starts())
-    return tuple(tiles), saturated
+    steps = _chains.encode_loops(targets, encode_step, _loop_step(config), starts=config.chain_starts())
+    return tuple(tiles for _, tiles in steps), saturated
+
+
+def predicted(storage: LoopStorage, previous: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """What a residual loop stored with ``storage`` is a residual against: its predecessor's float32 K and V
+    ``[..., H, D]``, through ``storage.prediction`` when it has one."""
+    return previous if storage.prediction is None else storage.prediction.apply(*previous)
+
+
+def _loop_step(config: CacheConfig):
+    """:func:`apply_loop` for the chain algebra's ``(loop, tiles)`` steps of ``config`` (a layer's)."""
+    def step(indexed, previous):
+        loop, loop_tiles = indexed
+        return apply_loop(loop_tiles, previous, config.loops[loop])
+    return step
 
 
 def apply_loop(
-    loop_tiles: LoopTiles, previous: tuple[jax.Array, jax.Array] | None
+    loop_tiles: LoopTiles, previous: tuple[jax.Array, jax.Array] | None, storage: LoopStorage | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Reconstruct a loop from its predecessor's float32 K and V ``[pages, page_size, H, D]``.
 
-    With ``previous`` None the tiles are the base and are simply decoded.
+    With ``previous`` None the tiles are the base and are simply decoded; ``storage`` (the loop's) applies its
+    prediction to ``previous`` first (:func:`predicted`).
     """
+    if previous is not None and storage is not None:
+        previous = predicted(storage, previous)
+    if loop_tiles.keys is None:  # no rows: the loop is its prediction
+        return previous
     decoded_keys = decode_tiles(loop_tiles.keys)
     decoded_values = decode_tiles(loop_tiles.values)
     if previous is None:
@@ -223,4 +249,4 @@ def apply_loop(
 def unpack_pages(tiles: tuple[LoopTiles, ...], loop: int, config: CacheConfig) -> tuple[jax.Array, jax.Array]:
     """float32 K and V ``[pages, page_size, H, D]`` of loop ``loop`` (0-based); ``config`` (the layer's)
     says which loops start a chain."""
-    return _chains.decode_loops(tiles, apply_loop, loop, config.chain_starts())
+    return _chains.decode_loops(tuple(enumerate(tiles)), _loop_step(config), loop, config.chain_starts())

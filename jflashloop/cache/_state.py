@@ -36,7 +36,7 @@ from ._layout import (
     LoopTiles,
     PagedKVCache,
 )
-from ._pages import empty_stream, pack_pages_with_saturations, tile_saturations
+from ._pages import NO_TILES, empty_stream, pack_pages_with_saturations, tile_saturations
 from ._regions import ring_positions, ring_slot
 
 
@@ -52,6 +52,9 @@ def create(config: CacheConfig) -> PagedKVCache:
         layer_config = c.layer(layer_index)  # that layer's loop policy
         for loop_index, storage in enumerate(layer_config.loops):
             rows = layer_config.rows(loop_index)
+            if rows == 0:
+                loops.append(NO_TILES)
+                continue
             keys = empty_stream(storage.key_spec, c.num_kv_heads, c.num_pages, rows, c.head_dim)
             values = empty_stream(storage.value_spec, c.num_kv_heads, c.num_pages, rows, c.head_dim)
             row_positions = (

@@ -78,6 +78,9 @@ def page_bytes(config: CacheConfig) -> PageBytes:
     per_loop = []
     for index, storage in enumerate(config.loops):
         rows = config.rows(index)
+        if rows == 0:  # a predicted loop with no rows stores nothing
+            per_loop.append(0)
+            continue
         per_head = _stream_tile_bytes(storage.key_spec, rows, config.head_dim)
         per_head += _stream_tile_bytes(storage.value_spec, rows, config.head_dim)
         if storage.is_sparse:
@@ -256,6 +259,10 @@ def _describe(storage: LoopStorage, page_size: int) -> str:
         return f"{spec.format.upper()} {spec.axis} G{spec.group_size}"
 
     what = f"K {spec_name(storage.key_spec)}, V {spec_name(storage.value_spec)}"
+    if storage.prediction is not None:
+        if storage.sparse_rows_per_page == 0:
+            return "predicted from the loop before (no rows stored)"
+        what += ", against a prediction from the loop before"
     if storage.is_sparse:
         share = storage.sparse_rows_per_page / page_size
         return f"sparse residual {storage.sparse_rows_per_page}/{page_size} rows ({share:.1%}), {what}"

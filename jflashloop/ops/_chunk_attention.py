@@ -203,6 +203,8 @@ def _gluon(queries, cache: PagedKVCache, layer: int, loop: int, keys, values, co
     if not emulate:
         check_gluon_runs(interpret)
     plan = kernel_plan(c.layer(layer), loop)
+    if plan.prediction is not None:
+        raise NotImplementedError("the chunk kernel does not read predicted loops (LoopStorage.prediction)")
     reason = gluon_decode.unsupported_reason(plan.loops, head_dim, c.page_size, rows, rows=GLUON_ROWS)
     if reason:
         raise NotImplementedError(f"{reason} (chunk x GQA group query rows per KV head)")

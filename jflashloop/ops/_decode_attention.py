@@ -35,6 +35,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jflashloop_pallas_kernels import decode_attention as pallas_decode
 from jflashloop_triton_kernels import call as triton_call
@@ -43,6 +44,7 @@ from jflashloop_triton_kernels import decode_attention as gluon_decode
 from ..cache._config import CacheConfig
 from ..cache._inspect import reconstruct, sequence_regions
 from ..cache._layout import PagedKVCache, PagedStream
+from ..cache._prediction import LoopPrediction
 from ..cache._regions import regions, stored_pages, visible_tokens
 from ..codecs import CodecSpec, rotate_by_product
 from . import _dispatch
@@ -154,14 +156,19 @@ class KernelPlan:
     """What a fused kernel needs to know of loops ``0..loop``, worked out once per call.
 
     Attributes:
-      loops: :func:`loop_formats`.
+      loops: :func:`loop_formats` of ``source``.
       key_seed, value_seed: the rotation seed of every K (V) stream when they
         are all ``int4_rotated`` with one seed, else None (no stream rotated).
+      source, prediction: :func:`predicted_source`: the loop whose chain the
+        kernel reads, and the map from it to the loop asked for (None: the
+        loop itself).
     """
 
     loops: tuple[pallas_decode.LoopFormat, ...]
     key_seed: int | None
     value_seed: int | None
+    source: int | None = None
+    prediction: LoopPrediction | None = None
 
 
 @functools.cache
@@ -174,9 +181,18 @@ def kernel_plan(config: CacheConfig, loop: int) -> KernelPlan:
     Raises:
       NotImplementedError: a stream no fused kernel reads (lattice, INT2 Lloyd-Max,
         INT3, dense affine INT2: :data:`FUSED_FORMATS`, and affine INT2 as
-        sparse rows, :data:`ROW_FORMATS`), or a chain not in one basis (either no
-        stream is rotated, or every K (or V) stream is ``int4_rotated`` with one seed).
+        sparse rows, :data:`ROW_FORMATS`), a chain not in one basis (either no
+        stream is rotated, or every K (or V) stream is ``int4_rotated`` with one seed),
+        or a predicted loop (:attr:`~jflashloop.LoopStorage.prediction`).
     """
+    requested = loop
+    loop, prediction = predicted_source(config, loop)
+    if any(config.loops[i].prediction is not None for i in range(config.chain_start(loop), loop + 1)):
+        raise NotImplementedError("the fused kernels do not read a predicted loop that stores rows "
+                                  "(LoopStorage.prediction with sparse_rows_per_page > 0)")
+    if prediction is not None and not _well_conditioned(prediction):
+        raise NotImplementedError(f"loop {requested}'s prediction is too ill-conditioned to move its windows into "
+                                  f"loop {loop}'s basis (condition number above {MAX_CONDITION:g})")
     seeds = []
     for role in ("key_spec", "value_spec"):
         chain = [config.loops[i] for i in range(config.chain_start(loop), loop + 1)]
@@ -192,7 +208,31 @@ def kernel_plan(config: CacheConfig, loop: int) -> KernelPlan:
                 "seed, or none rotated"
             )
         seeds.append(rotated.pop() if rotated else None)
-    return KernelPlan(loop_formats(config, loop), seeds[0], seeds[1])
+    if prediction is not None and any(seed is not None for seed in seeds):
+        raise NotImplementedError("the fused kernels do not read a predicted loop over int4_rotated streams")
+    return KernelPlan(loop_formats(config, loop), seeds[0], seeds[1], loop, prediction)
+
+
+MAX_CONDITION = 1e3
+"""The largest condition number of a prediction's matrices the fused kernels take (:func:`predicted_inputs` moves
+the windows through their inverses)."""
+
+
+def predicted_source(config: CacheConfig, loop: int) -> tuple[int, LoopPrediction | None]:
+    """``(source, prediction)``: the loop a chain of predicted loops with no rows ends on (``loop`` itself when it
+    is not one), and the composed map from that loop's reconstruction to loop ``loop``'s (None when none)."""
+    prediction = None
+    while loop > 0 and config.loops[loop].sparse_rows_per_page == 0 and config.loops[loop].prediction is not None:
+        step = config.loops[loop].prediction
+        prediction = step if prediction is None else step.then(prediction)
+        loop -= 1
+    return loop, prediction
+
+
+@functools.cache
+def _well_conditioned(prediction: LoopPrediction) -> bool:
+    return all(np.linalg.cond(table[:, :-1].astype(np.float64)).max() <= MAX_CONDITION
+               for table in prediction.tables())
 
 
 def kernel_rotations(cache: PagedKVCache, loop: int, layer: int = 0) -> tuple[int | None, int | None]:
@@ -229,10 +269,11 @@ def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: b
     pool = cache.layers[layer]
     visible = visible_tokens(cache, include_pending=include_pending)
     pages_end = regions(c, cache.lengths, visible, stored_pages(cache)).pages_end
+    source = predicted_source(c.layer(layer), loop)[0]  # a predicted loop reads its source's streams
     streams = tuple(
         {"keys": _stream_arrays(tiles.keys), "values": _stream_arrays(tiles.values),
          "row_positions": tiles.row_positions}
-        for tiles in pool.loops[c.layer(layer).chain_start(loop): loop + 1]
+        for tiles in pool.loops[c.layer(layer).chain_start(source): source + 1]
     )
     # The windows go in whole ([loops, sequences, heads, tokens, D]); the
     # kernel reads entry ``window_loop``, so no slice is copied.
@@ -247,7 +288,7 @@ def kernel_inputs(cache: PagedKVCache, layer: int, loop: int, include_pending: b
         ring_keys=pool.ring_keys,
         ring_values=pool.ring_values,
         window_loop=loop,
-        loops=loop_formats(c.layer(layer), loop),
+        loops=loop_formats(c.layer(layer), source),
         layer=layer,
     )
 
@@ -275,6 +316,48 @@ def rotated_inputs(queries, cache: PagedKVCache, loop: int, inputs: dict, plan: 
     if key_seed is not None:
         queries = rotate_by_product(queries.astype(jnp.float32), key_seed)
     return queries, windows, window_loop, value_seed
+
+
+def predicted_inputs(queries, inputs: dict, windows: dict, window_loop: int, plan: KernelPlan):
+    """Queries and windows in the source loop's basis for a predicted loop (:func:`predicted_source`).
+
+    A page token of the predicted loop is ``x M + b`` (``x`` the source loop's reconstruction, per KV head), so
+    its score is ``(M q) . x`` plus ``q . b``, the same for every token of a query (the softmax drops it): the
+    kernel reads the source's pages with the query ``M q``, and this loop's own windows moved to
+    ``(k - b) M^-1`` (values ``(v - b) M^-1``) give that query the windows' exact scores; the output goes back by
+    :func:`predicted_output`. Returns ``(queries, windows, window_loop)`` (the windows float32, alone).
+    """
+    if plan.prediction is None:
+        return queries, windows, window_loop
+    heads = plan.prediction.num_kv_heads
+    group = queries.shape[1] // heads
+    key_table, value_table = plan.prediction.tables()
+    matrix = jnp.asarray(np.repeat(key_table[:, :-1], group, axis=0))  # [q_heads, D, D]
+    queries = jnp.einsum("hde,she->shd", matrix, queries.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    moved = {}
+    for name, table in (("sink_keys", key_table), ("ring_keys", key_table), ("sink_values", value_table),
+                        ("ring_values", value_table)):
+        array = windows[name]
+        if array is not None:  # [loops, S, H, T, D] -> this loop's, in the source's basis
+            inverse = jnp.asarray(np.linalg.inv(table[:, :-1].astype(np.float64)), jnp.float32)
+            shifted = array[window_loop:window_loop + 1].astype(jnp.float32) - jnp.asarray(table[:, -1])[:, None]
+            array = jnp.einsum("lshtd,hde->lshte", shifted, inverse, precision=jax.lax.Precision.HIGHEST)
+        moved[name] = array
+    return queries, moved, 0
+
+
+def predicted_output(output, inputs: dict, plan: KernelPlan):
+    """The kernel's output over the source's basis back to the predicted loop's: ``out M_v + b_v`` (0 for a
+    sequence with no visible token, as the reference gives)."""
+    if plan.prediction is None:
+        return output
+    heads = plan.prediction.num_kv_heads
+    group = output.shape[1] // heads
+    table = plan.prediction.tables()[1]
+    matrix, bias = (jnp.asarray(np.repeat(x, group, axis=0)) for x in (table[:, :-1], table[:, -1]))
+    mapped = jnp.einsum("shd,hde->she", output.astype(jnp.float32), matrix, precision=jax.lax.Precision.HIGHEST)
+    seen = inputs["bounds"][:, 0] > 0
+    return mapped + jnp.where(seen[:, None, None], bias, 0.0)
 
 
 def unrotated_output(output, value_seed):
@@ -340,6 +423,7 @@ def _gluon(queries, cache, layer, loop, *, include_pending, scale, kernel_config
     c = cache.config
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)
+    queries, windows, window_loop = predicted_inputs(queries, inputs, windows, window_loop, plan)
     options = {}
     if kernel_config is not None:
         options = dict(splits=kernel_config.num_splits, target_programs=kernel_config.target_programs)
@@ -350,7 +434,7 @@ def _gluon(queries, cache, layer, loop, *, include_pending, scale, kernel_config
         windows["sink_values"], windows["ring_keys"], windows["ring_values"], state=inputs["state"],
         limits=inputs["limits"], loops=plan.loops, page_size=c.page_size, sink_tokens=c.sink_tokens,
         window_loop=window_loop, scale=_softmax_scale(c.head_dim, scale), **options)
-    return unrotated_output(output, value_seed)
+    return predicted_output(unrotated_output(output, value_seed), inputs, plan)
 
 
 def _pallas(queries, cache, layer, loop, *, include_pending, scale, kernel_config, interpret, poison):
@@ -358,6 +442,7 @@ def _pallas(queries, cache, layer, loop, *, include_pending, scale, kernel_confi
     c = cache.config
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)
+    queries, windows, window_loop = predicted_inputs(queries, inputs, windows, window_loop, plan)
     output = pallas_decode.paged_decode_attention(
         queries,
         inputs["block_tables"],
@@ -376,7 +461,7 @@ def _pallas(queries, cache, layer, loop, *, include_pending, scale, kernel_confi
         interpret=interpret,
         poison=poison,
     )
-    return unrotated_output(output, value_seed)
+    return predicted_output(unrotated_output(output, value_seed), inputs, plan)
 
 
 def decode_attention(

@@ -23,6 +23,7 @@ import numpy as np
 from .._errors import PersistenceError
 from ..cache._config import CacheConfig, LoopStorage
 from ..cache._layout import interchange_order, page_order
+from ..cache._prediction import LoopPrediction
 from ..codecs import CodecSpec
 
 MAGIC = b"JFLASHKV"
@@ -41,7 +42,8 @@ def config_to_json(config: CacheConfig) -> dict:
     """A JSON-ready dict of every :class:`CacheConfig` field (each codec as :meth:`CodecSpec.to_json`)."""
     def loops_to(loops):
         return [{**dataclasses.asdict(loop), "key_spec": loop.key_spec.to_json(),
-                 "value_spec": loop.value_spec.to_json()} for loop in loops]
+                 "value_spec": loop.value_spec.to_json(),
+                 "prediction": None if loop.prediction is None else loop.prediction.to_json()} for loop in loops]
 
     fields = dataclasses.asdict(config)
     fields["loops"] = loops_to(config.loops)
@@ -62,6 +64,7 @@ def config_from_json(data: Mapping) -> CacheConfig:
                     value_spec=CodecSpec(**loop["value_spec"]),
                     sparse_rows_per_page=loop["sparse_rows_per_page"],
                     direct=loop.get("direct", False),  # files of earlier versions: every later loop a residual
+                    prediction=None if loop.get("prediction") is None else LoopPrediction.from_json(loop["prediction"]),
                 )
                 for loop in entries
             )
