@@ -15,6 +15,7 @@ from jflashloop import (
     NVFP4,
     CacheConfig,
     CodecSpec,
+    LoopPrediction,
     LoopStorage,
     int2_lloyd_max,
 )
@@ -97,10 +98,17 @@ def placeholder_fitted(policy) -> dict:
     return fitted
 
 
+def placeholder_predictions(policy, model=TINY) -> dict:
+    """Identity predictions for ``policy``'s predicted loops, as :func:`policies.fitted_predictions` returns them."""
+    identity = LoopPrediction.identity(model.kv_heads, model.head_dim)
+    return {loop: [identity] * model.layers for loop, entry in enumerate(policy) if entry.startswith("pred")}
+
+
 @pytest.mark.parametrize("name", sorted(policies.POLICIES))
 def test_every_policy_makes_a_valid_cache(name):
     policy = policies.POLICIES[name]
-    config = policies.policy_config(policy, TINY, 1, 64, fitted=placeholder_fitted(policy))
+    config = policies.policy_config(policy, TINY, 1, 64, fitted=placeholder_fitted(policy),
+                                    predictions=placeholder_predictions(policy))
     per_token, ratio = policies.bytes_per_token(config)
     assert config.num_loops == TINY.loops and not config.loops[0].is_sparse
     assert float(ratio) == pytest.approx(16384 / per_token, rel=1e-12)
@@ -151,3 +159,26 @@ def test_fitted_codecs_are_fitted_to_each_loop_that_stores_them():
         policies.fitted_specs(params, SMALL, held_out, [("int4", "int4", "fit 16", "int4 7")], settings)
     with pytest.raises(ValueError, match="needs codecs fitted to it"):
         policies.loop_storage("fit", 64)
+
+
+def test_predicted_loops_are_fitted_in_order_from_the_reconstruction_before_them():
+    identity = LoopPrediction.identity(2, 64)
+    assert policies.loop_storage("pred", 64, prediction=identity) == LoopStorage(INT4_VALUES, INT4_VALUES, 0,
+                                                                              prediction=identity)
+    affine_int2 = CodecSpec("int2", "token", 64)
+    assert policies.loop_storage("pred int2a 8", 64, prediction=identity) == LoopStorage(
+        affine_int2, affine_int2, 8, prediction=identity)
+    with pytest.raises(ValueError, match="needs a prediction fitted to it"):
+        policies.loop_storage("pred", 64)
+    with pytest.raises(ValueError, match="a predicted loop stores sparse rows or none"):
+        policies.loop_storage("pred int4", 64, prediction=identity)
+    params = ouro.init_params(SMALL, jax.random.PRNGKey(0))
+    held_out = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4000).astype(np.uint8)
+    settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,), query_positions=4)
+    policy = ("int4", "direct int4", "pred int2a 8", "pred")
+    predictions = policies.fitted_predictions(params, SMALL, held_out, policy, settings)
+    assert sorted(predictions) == [2, 3] and len(predictions[2]) == SMALL.layers
+    assert all(p.num_kv_heads == SMALL.kv_heads and not p.same_for_every_head for p in predictions[3])
+    assert policies.fitted_predictions(params, SMALL, held_out, policies.FLASHLOOP, settings) == {}
+    config = policies.policy_config(policy, SMALL, 2, 140, predictions=predictions)
+    assert config.loops[3].sparse_rows_per_page == 0 and config.loops[3].prediction == predictions[3][0]

@@ -14,7 +14,7 @@ a sparse residual of ``rows`` rows per 64-token page (codecs per token:
 ``int4``, ``int3``, ``nvfp4``, ``int2``, ``int2a``; ``int3`` is INT3 G64, K per
 channel when dense; ``int2`` is INT2 Lloyd-Max, ``int2a`` the affine INT2 G64,
 the ``"int2"`` format; ``fit`` and ``fit3.5``: the codecs fitted to each layer and loop on calibration windows,
-``int_mixed`` keys at a mean width of 4 or 3.5 bits and ``int4_scaled`` values, :mod:`jflashloop.fitting`, for the
+``int_mixed`` keys at a mean width of 4, 3.5 or 3 bits and ``int4_scaled`` values, :mod:`jflashloop.fitting`, for the
 base and direct loops only); ``"direct <codec>"`` is a dense loop stored on its own rather
 than as a residual against the loop before it (``LoopStorage.direct``), and
 ``"direct <codec> @a-b"`` only in layers ``a..b`` (1-based; the other layers
@@ -36,6 +36,7 @@ import numpy as np
 
 from ... import CacheConfig, fitting, storage
 from ...cache._config import LoopStorage
+from ...cache._prediction import LoopPrediction
 from ...codecs import INT4_KEYS, INT4_VALUES, NVFP4, CodecSpec, int2_lloyd_max
 from ...models import ouro
 from ...models.cache_hooks import looped_paged_attention_hook
@@ -62,10 +63,12 @@ COMPACT_LOOPS = ("int4", "direct int4", "int2a 24", "int2a 10")
 """``CacheConfig.compact_loops``'s policy at 64-token pages: INT4 base, dense INT4 loop 2 stored on its own,
 affine INT2 G64 rows for 37.5 % and 15 % of each page."""
 
-FITTED_CODECS = {"fit": 4.0, "fit3.5": 3.5}
+FITTED_CODECS = {"fit": 4.0, "fit3.5": 3.5, "fit3": 3.0}
 """The fitted codecs of a dense loop coded on its own: the mean key width (values: ``int4_scaled``)."""
 CALIBRATION_SEED = 100
-"""The held-out windows the fitted codecs are fitted on (the measured seeds are 0, 1, 2)."""
+"""The held-out windows the fitted codecs and predictions are fitted on (the measured seeds are 0, 1, 2)."""
+PREDICTED = "pred"
+"""A loop predicted from the loop before it (``LoopStorage.prediction``, fitted per layer: :func:`fitted_predictions`)."""
 
 POLICIES: dict[str, tuple[str, ...]] = {
     "flashloop": FLASHLOOP,
@@ -113,6 +116,14 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "fitted, affine int2 rows 16/8": ("fit", "direct fit", "int2a 16", "int2a 8"),
     "fitted, affine int2 rows 16/4": ("fit", "direct fit", "int2a 16", "int2a 4"),
     "fitted 3.5, affine int2 rows 24/10": ("fit3.5", "direct fit3.5", "int2a 24", "int2a 10"),
+    "fitted, predicted loops 3-4": ("fit", "direct fit", "pred", "pred"),
+    "fitted, predicted, affine int2 rows 8/4": ("fit", "direct fit", "pred int2a 8", "pred int2a 4"),
+    "fitted, predicted, affine int2 rows 16/8": ("fit", "direct fit", "pred int2a 16", "pred int2a 8"),
+    "predicted loops 3-4": ("int4", "direct int4", "pred", "pred"),
+    "fitted 3.5, predicted loops 3-4": ("fit3.5", "direct fit3.5", "pred", "pred"),
+    "fitted 3.5 base, predicted loops 3-4": ("fit3.5", "direct fit", "pred", "pred"),
+    "fitted 3, predicted loops 3-4": ("fit3", "direct fit3", "pred", "pred"),
+    "fitted 3 base, predicted loops 3-4": ("fit3", "direct fit", "pred", "pred"),
 }
 
 
@@ -130,11 +141,25 @@ def _spec(codec: str, dense_key: bool, head_dim: int) -> CodecSpec:
     raise ValueError(f"unknown residual codec {codec!r} (int4, int3, nvfp4, int2 or int2a)")
 
 
-def loop_storage(entry: str, head_dim: int, fitted: dict | None = None, *, layer: int = 0, loop: int = 0
-                 ) -> LoopStorage:
-    """One loop's :class:`LoopStorage` from ``"codec"``, ``"kcodec/vcodec"`` (dense), ``"codec rows"`` (sparse)
-    or ``"direct codec"`` (dense, stored on its own); a fitted codec (:data:`FITTED_CODECS`) takes layer ``layer``'s
-    specs of loop ``loop`` from ``fitted`` (:func:`fitted_specs`)."""
+def _predicted(entry: str) -> bool:
+    return entry == PREDICTED or entry.startswith(PREDICTED + " ")
+
+
+def loop_storage(entry: str, head_dim: int, fitted: dict | None = None, *, layer: int = 0, loop: int = 0,
+                 prediction: LoopPrediction | None = None) -> LoopStorage:
+    """One loop's :class:`LoopStorage` from ``"codec"``, ``"kcodec/vcodec"`` (dense), ``"codec rows"`` (sparse),
+    ``"direct codec"`` (dense, stored on its own) or ``"pred"`` / ``"pred codec rows"`` (predicted from the loop
+    before with ``prediction``, no rows or sparse rows against it); a fitted codec (:data:`FITTED_CODECS`) takes
+    layer ``layer``'s specs of loop ``loop`` from ``fitted`` (:func:`fitted_specs`)."""
+    if _predicted(entry):
+        if prediction is None:
+            raise ValueError(f"{entry!r} in loop {loop + 1} needs a prediction fitted to it (fitted_predictions)")
+        rows = entry.removeprefix(PREDICTED).strip()
+        storage = loop_storage(rows, head_dim, fitted, layer=layer, loop=loop) if rows else LoopStorage(
+            INT4_VALUES, INT4_VALUES, 0)
+        if not storage.is_sparse:
+            raise ValueError(f"a predicted loop stores sparse rows or none, got {entry!r}")
+        return dataclasses.replace(storage, prediction=prediction)
     direct = entry.startswith("direct ")
     if direct:
         storage = loop_storage(entry.removeprefix("direct "), head_dim, fitted, layer=layer, loop=loop)
@@ -167,13 +192,17 @@ def _entry_in_layer(entry: str, layer: int) -> str:
 
 
 def policy_config(policy: tuple[str, ...], model: ouro.OuroConfig, sequences: int, max_tokens: int,
-                  recent_tokens: int | None = RECENT_TOKENS, fitted: dict | None = None) -> CacheConfig:
+                  recent_tokens: int | None = RECENT_TOKENS, fitted: dict | None = None,
+                  predictions: dict | None = None) -> CacheConfig:
     """A cache for ``model`` storing its loops as ``policy`` (4 sink tokens, ``recent_tokens`` recent
     ones, 64-token pages; per-layer loops where an entry names layers or a codec is fitted, ``fitted`` holding
-    those codecs: :func:`fitted_specs`)."""
+    those codecs: :func:`fitted_specs`; ``predictions``: ``{loop: [LoopPrediction per layer]}`` of the predicted
+    loops, :func:`fitted_predictions`)."""
     pages = math.ceil(max_tokens / PAGE_SIZE)
+    predictions = predictions or {}
     per_layer = tuple(tuple(loop_storage(_entry_in_layer(entry, layer), model.head_dim, fitted, layer=layer,
-                                         loop=loop) for loop, entry in enumerate(policy))
+                                         loop=loop, prediction=predictions[loop][layer] if loop in predictions
+                                         else None) for loop, entry in enumerate(policy))
                       for layer in range(model.layers))
     uniform = all(loops == per_layer[0] for loops in per_layer)
     return CacheConfig(num_layers=model.layers, num_kv_heads=model.kv_heads, head_dim=model.head_dim,
@@ -224,6 +253,39 @@ def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies,
     return fitted
 
 
+def fitted_predictions(params, model: ouro.OuroConfig, held_out: np.ndarray, policy: tuple[str, ...],
+                       settings: SweepSettings, fitted: dict | None = None, seed: int = CALIBRATION_SEED) -> dict:
+    """``{loop: [LoopPrediction per layer]}`` for the predicted loops of ``policy`` (``"pred ..."`` entries).
+
+    Each is fitted (:func:`jflashloop.fitting.fitted_prediction`) on ``settings.sequences`` held-out windows of
+    ``seed`` from the loop before it as the policy's cache reconstructs it (with the predictions of earlier loops
+    already fitted) to the loop's exact K/V, over the page positions (after the sinks, before the recent window).
+    """
+    loops = [loop for loop, entry in enumerate(policy) if _predicted(entry)]
+    if not loops:
+        return {}
+    token_ids = jnp.asarray(held_out_windows(held_out, settings.sequences, settings.tokens, seed))
+    _, keys, values, _ = _forward(params, model, token_ids)
+    identity = [LoopPrediction.identity(model.kv_heads, model.head_dim)] * model.layers
+    pages = slice(CacheConfig.sink_tokens, settings.tokens - RECENT_TOKENS)
+    predictions = {}
+    for loop in loops:
+        config = policy_config(policy, model, settings.sequences, settings.tokens, fitted=fitted,
+                               predictions={other: predictions.get(other, identity) for other in loops})
+        cache = prefill_cross_loop_cache(config, keys, values)
+        stored_keys, stored_values = reconstruct_every_loop(cache, settings.sequences, settings.tokens)
+
+        def flat(x, layer, which):  # [loops, layers, windows, T, H, D] -> [windows * page positions, H, D]
+            return np.asarray(x[which, layer, :, pages], np.float64).reshape(-1, *x.shape[-2:])
+
+        predictions[loop] = [fitting.fitted_prediction(flat(stored_keys, layer, loop - 1),
+                                                       flat(stored_values, layer, loop - 1),
+                                                       flat(keys, layer, loop), flat(values, layer, loop),
+                                                       sink_tokens=0)
+                             for layer in range(model.layers)]
+    return predictions
+
+
 @dataclasses.dataclass(frozen=True)
 class SweepSettings:
     """Windows of ``tokens`` bytes, ``prompt_tokens`` prefilled, the rest teacher forced; one batch per seed."""
@@ -252,9 +314,10 @@ def reference_run(params, model: ouro.OuroConfig, held_out: np.ndarray, settings
 
 
 def measure(params, model: ouro.OuroConfig, policy: tuple[str, ...], reference: dict[str, Any],
-            settings: SweepSettings, fitted: dict | None = None) -> dict[str, np.ndarray]:
+            settings: SweepSettings, fitted: dict | None = None, predictions: dict | None = None
+            ) -> dict[str, np.ndarray]:
     """``kl`` float64 ``[sequences]`` (mean over teacher-forced steps) and ``attention`` ``[loops]`` (mean over layers)."""
-    config = policy_config(policy, model, settings.sequences, settings.tokens, fitted=fitted)
+    config = policy_config(policy, model, settings.sequences, settings.tokens, fitted=fitted, predictions=predictions)
     prompt = settings.prompt_tokens
     keys, values = reference["keys"][:, :, :, :prompt], reference["values"][:, :, :, :prompt]
     cache = prefill_cross_loop_cache(config, keys, values)
@@ -288,17 +351,20 @@ def sweep(params, model: ouro.OuroConfig, held_out: np.ndarray, settings: SweepS
     results = {name: {"kl": [], "attention": []} for name in policies}
     start = time.perf_counter()
     fitted = fitted_specs(params, model, held_out, policies.values(), settings)
+    predictions = {name: fitted_predictions(params, model, held_out, policy, settings, fitted)
+                   for name, policy in policies.items()}
     for seed in settings.seeds:
         reference = reference_run(params, model, held_out, settings, seed)
         for name, policy in policies.items():
-            measured = measure(params, model, policy, reference, settings, fitted)
+            measured = measure(params, model, policy, reference, settings, fitted, predictions[name])
             results[name]["kl"].append(measured["kl"])
             results[name]["attention"].append(measured["attention"])
             log(f"seed {seed} {name}: KL {measured['kl'].mean():.3e} attention "
                 + " ".join(f"{e:.3f}" for e in measured["attention"])
                 + f" ({time.perf_counter() - start:.0f} s)")
     for name, policy in policies.items():
-        per_token, ratio = bytes_per_token(policy_config(policy, model, 1, PAGE_SIZE, fitted=fitted))
+        per_token, ratio = bytes_per_token(policy_config(policy, model, 1, PAGE_SIZE, fitted=fitted,
+                                                         predictions=predictions[name]))
         results[name] = {"policy": policy, "kl": np.array(results[name]["kl"]),
                          "attention": np.array(results[name]["attention"]),
                          "bytes_per_token": per_token, "ratio": ratio}
