@@ -29,11 +29,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jflashloop
 from jflashloop import CacheConfig, paged_cache, storage
 from jflashloop.cache._pages import pack_pages, unpack_pages
 from jflashloop.ops import arg_specs
+from jflashloop.ops._decode_attention import predicted_source
 from jflashloop.paged_cache import LoopTiles
 from jflashloop_pallas_kernels.decode_attention import KernelConfig
 
@@ -44,14 +46,36 @@ HEAD_DIM = 128
 SHAPES = list(arg_specs.DECODE_SHAPES)
 
 
+@functools.lru_cache(maxsize=4)
+def stand_in_predictions(layers: int, loops: int, kv_heads: int, head_dim: int):
+    """Random maps near the identity (0.9 I plus small noise; for speed only the shapes matter), ``loops`` per
+    layer, as :meth:`CacheConfig.predicted_loops` takes them."""
+    rng = np.random.default_rng(0)
+
+    def one():
+        matrices = [0.9 * np.eye(head_dim) + 0.02 * rng.standard_normal((kv_heads, head_dim, head_dim))
+                    for _ in range(2)]
+        return jflashloop.LoopPrediction.from_arrays(matrices[0], 0.01 * rng.standard_normal((kv_heads, head_dim)),
+                                                     matrices[1], 0.01 * rng.standard_normal((kv_heads, head_dim)))
+    return tuple(tuple(one() for _ in range(loops)) for _ in range(layers))
+
+
 def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_dim=HEAD_DIM, direct_loop=False,
-                row_format=None, row_counts=None):
+                row_format=None, row_counts=None, predicted=False):
     """``value_format``: "int4" (FlashLoop policy), "nvfp4" or "int4_rotated" (every stream, the sparse
     rows too); ``direct_loop``: loop 2 stored on its own (``CacheConfig.flashloop(direct_loop=True)``);
     ``row_format`` ("int4" or "int2", affine, grouped like the dense values) and ``row_counts`` (rows of
-    loops 3 and 4 per page): the sparse loops' rows instead of the policy's."""
+    loops 3 and 4 per page): the sparse loops' rows instead of the policy's; ``predicted``: loops 3 and 4
+    predicted from the loop before with no rows (``CacheConfig.predicted_loops``, :func:`stand_in_predictions`;
+    INT4 only)."""
     page_size = 64
     pages = tokens // page_size
+    if predicted and loops > 2:
+        return CacheConfig.predicted_loops(
+            predictions=stand_in_predictions(1, loops - 2, kv_heads, head_dim), num_layers=1, num_kv_heads=kv_heads,
+            head_dim=head_dim, num_pages=sequences * pages, max_sequences=sequences, max_pages_per_sequence=pages,
+            page_size=page_size)
+    direct_loop = direct_loop or predicted
     config = CacheConfig.flashloop(
         num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, num_pages=sequences * pages,
         max_sequences=sequences, max_pages_per_sequence=pages, num_loops=loops, page_size=page_size,
@@ -112,6 +136,9 @@ def random_cache(config: CacheConfig, tokens: int, seed: int, *, shared: bool = 
     for layer in cache.layers:
         loops = []
         for tiles in layer.loops:
+            if tiles.keys is None:  # a predicted loop that stores nothing
+                loops.append(tiles)
+                continue
             key, k1, k2, k3 = jax.random.split(key, 4)
             keys = random_stream(k1, tiles.keys, config.num_pages)
             values = random_stream(k2, tiles.values, config.num_pages)
@@ -148,7 +175,8 @@ def kernel_bytes(config: CacheConfig, tokens: int, loop: int) -> int:
     packed_end = min(visible - config.recent_tokens, (tokens // config.page_size) * config.page_size)
     packed_pages = math.ceil(packed_end / config.page_size)
     per_page = storage.page_bytes(config)
-    pages = packed_pages * sum(per_page.loops[config.chain_start(loop): loop + 1])
+    source = predicted_source(config, loop)[0]  # a predicted loop reads the chain of the loop it is predicted from
+    pages = packed_pages * sum(per_page.loops[config.chain_start(source): source + 1])
     windows = (config.sink_tokens + config.window_tokens) * config.num_kv_heads * config.head_dim * 2 * 2
     tables = packed_pages * 4
     return config.max_sequences * (pages + windows + tables)

@@ -120,6 +120,7 @@ class Model:
     weight_dtype: Any = jnp.bfloat16  # the Llama model's weights (the looped model's are bfloat16)
     direct_loop: bool = False  # the looped model's loop 2 stored on its own (CacheConfig.flashloop(direct_loop=True))
     compact: bool = False  # the looped model's cache as CacheConfig.compact_loops (affine INT2 rows 24/10)
+    predicted: bool = False  # the looped model's cache as CacheConfig.predicted_loops (random near-identity maps)
 
     @property
     def layers(self) -> int:
@@ -161,8 +162,13 @@ class Model:
                       num_pages=batch * pages, max_sequences=batch, max_pages_per_sequence=pages)
         if self.looped and self.compact:
             return CacheConfig.compact_loops(num_loops=self.loops, **common)
+        if self.looped and self.predicted and self.loops > 2:  # (with two loops there is nothing to predict)
+            return CacheConfig.predicted_loops(predictions=decode_bench.stand_in_predictions(self.layers, self.loops - 2,
+                                                                                self.kv_heads, self.head_dim),
+                                               **common)
         if self.looped:
-            return CacheConfig.flashloop(num_loops=self.loops, direct_loop=self.direct_loop, **common)
+            return CacheConfig.flashloop(num_loops=self.loops, direct_loop=self.direct_loop or self.predicted,
+                                         **common)
         return CacheConfig(**common)  # INT4: K per channel, V per token, groups of 64, 4 sink + 16 recent tokens
 
     def bf16_bytes_per_token(self) -> int:
@@ -714,6 +720,9 @@ def parse_args(argv=None):
     parser.add_argument("--compact-loops", action="store_true",
                         help="the looped model's cache as CacheConfig.compact_loops (loop 2 direct, affine INT2 rows "
                              "for 24 and 10 of each page's 64 tokens)")
+    parser.add_argument("--predicted-loops", action="store_true",
+                        help="the looped model's cache as CacheConfig.predicted_loops (loop 2 direct, loops 3-4 "
+                             "predicted from the loop before with no rows; stand-in maps near the identity)")
     parser.add_argument("--float32-weights", action="store_true",
                         help="the Llama model's weights and products in float32 (default bfloat16)")
     parser.add_argument("--seed", type=int, default=0)
@@ -745,6 +754,8 @@ def main(argv=None) -> int:
         all_models = {name: dataclasses.replace(model, direct_loop=model.looped) for name, model in all_models.items()}
     if args.compact_loops:
         all_models = {name: dataclasses.replace(model, compact=model.looped) for name, model in all_models.items()}
+    if args.predicted_loops:
+        all_models = {name: dataclasses.replace(model, predicted=model.looped) for name, model in all_models.items()}
     runner = Runner(args)
     work = plan(args, all_models)
     trace_directory = pathlib.Path(args.trace) if args.trace else None

@@ -296,6 +296,9 @@ def main() -> int:
                         help="loop 2 stored on its own, not as a residual (CacheConfig.flashloop(direct_loop=True)); "
                              "loop 1 reads the base stream either way")
     parser.add_argument("--loops", type=int, default=1, help="loop of the FlashLoop chain to read (1-4)")
+    parser.add_argument("--predicted", action="store_true",
+                        help="loops 3-4 predicted from the loop before with no rows (CacheConfig.predicted_loops: "
+                             "loop 2 direct; stand-in maps); the public call only (it moves the query and windows)")
     parser.add_argument("--rows", default=None,
                         help="the sparse loops' rows as FORMAT:R3/R4 (FORMAT int4 or int2, affine, grouped like the "
                              "dense values), e.g. int2:24/10; default: the policy's (INT4 16/7)")
@@ -329,7 +332,7 @@ def main() -> int:
     if args.profile:
         name, sequences, q_heads, kv_heads, tokens, head_dim = SHAPES[args.shape]
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
-                                   direct_loop=args.direct_loop, **row_options)
+                                   direct_loop=args.direct_loop, predicted=args.predicted, **row_options)
         cache = bench.random_cache(config, tokens, 0)
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
         if args.whole:  # every kernel of one whole call each, between cudaProfilerStart/Stop
@@ -348,6 +351,7 @@ def main() -> int:
     bandwidth = bench.copy_bandwidth()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; plain copy {bandwidth:.2f} TB/s; "
           f"{args.value_format} loop {args.loops}{', loop 2 direct' if args.direct_loop else ''}"
+          f"{', loops 3-4 predicted' if args.predicted else ''}"
           f"{f', rows {args.rows}' if args.rows else ''}{'; every sequence on the same pages' if args.shared else ''}"
           f"{f'; {args.repeats} calls per jitted function' if args.device_time else ''}", flush=True)
     spans = args.device_time and args.timeline is not None
@@ -392,7 +396,7 @@ def main() -> int:
               flush=True)
         loop = args.loops - 1
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
-                                   direct_loop=args.direct_loop, **row_options)
+                                   direct_loop=args.direct_loop, predicted=args.predicted, **row_options)
         bytes_read = bench.kernel_bytes(config, tokens, loop)
         caches = [bench.random_cache(config, tokens, i, shared=args.shared)
                   for i in range(bench.copies_for(bytes_read))]

@@ -48,7 +48,7 @@ for stage in "$@"; do
     sweep) run_stage sweep 140 python3 bench/decode.py --sweep ;;
     chainsweep) run_stage chainsweep 200 python3 bench/decode.py --sweep --sweep-loops 2,4 ;;
     gluontests) run_stage gluontests "${TESTS_LIMIT:-390}" python3 -m pytest -q -n "${TEST_WORKERS:-14}" --maxfail=5 -p no:cacheprovider \
-             ${TESTS_K:+-k "$TESTS_K"} tests/test_gluon_decode.py tests/test_chunks.py tests/test_direct_loops.py ;;
+             ${TESTS_K:+-k "$TESTS_K"} tests/test_gluon_decode.py tests/test_chunks.py tests/test_direct_loops.py tests/test_loop_prediction.py ;;
     formulations) run_stage formulations 200 python3 bench/kernel_formulations.py ;;
     gluonbench) run_stage gluonbench "${BENCH_LIMIT:-280}" python3 bench/kernel_formulations.py --device-time \
              --repeats "${BENCH_REPEATS:-48}" ${BENCH_TIMELINE:+--timeline "$BENCH_TIMELINE"} \
