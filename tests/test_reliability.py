@@ -472,6 +472,58 @@ BAD_INPUTS = [
          (jflashloop.CodecSpec("int_mixed", "channel", 64, channel_bits=[[5] * 8]), jflashloop.INT4_VALUES)]),
      ValueError, "candidate 'mixed': every layer must store the same bits per element, got "
                  "\\[\\(4.5, 4.5\\), \\(5.5, 4.5\\)\\]"),
+    ("LoopPrediction: tables of the wrong size",
+     lambda: jflashloop.LoopPrediction(2, 16, b"\0" * 8, b"\0" * 8),
+     ValueError, "LoopPrediction.key_table must be 2176 bytes \\(float32 \\[2, 17, 16\\]\\), got 8"),
+    ("LoopPrediction.from_arrays: a non-finite entry",
+     lambda: jflashloop.LoopPrediction.from_arrays(np.full((1, 8, 8), np.inf), np.zeros((1, 8)), np.eye(8)[None],
+                                                   np.zeros((1, 8))),
+     ValueError, "LoopPrediction.key_table must hold finite numbers"),
+    ("CacheConfig: a prediction on the base",
+     lambda: CacheConfig(num_layers=1, num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,
+                         max_pages_per_sequence=2, page_size=16, loops=(LoopStorage(
+                             prediction=jflashloop.LoopPrediction.identity(1, 16)),)),
+     ValueError, "CacheConfig.loops\\[0\\]: only a residual loop \\(not the base, not direct\\) is predicted "
+                 "from the loop before it"),
+    ("CacheConfig: a loop with no rows and no prediction",
+     lambda: CacheConfig(num_layers=1, num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,
+                         max_pages_per_sequence=2, page_size=16,
+                         loops=(LoopStorage(), LoopStorage(jflashloop.INT4_VALUES, jflashloop.INT4_VALUES, 0))),
+     ValueError, "CacheConfig.loops\\[1\\]: a loop with no rows \\(sparse_rows_per_page=0\\) needs a prediction "
+                 "\\(without one it would only repeat the loop before it\\)"),
+    ("CacheConfig: a prediction of other heads",
+     lambda: CacheConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_pages=4, max_sequences=1,
+                         max_pages_per_sequence=2, page_size=16, loops=(LoopStorage(), LoopStorage(
+                             prediction=jflashloop.LoopPrediction.identity(1, 16)))),
+     ValueError, "CacheConfig.loops\\[1\\].prediction maps 1 KV heads of head_dim 16; the cache has 2 of 16"),
+    ("CacheConfig.predicted_loops: not one list of predictions per layer",
+     lambda: CacheConfig.predicted_loops(predictions=[[jflashloop.LoopPrediction.identity(1, 16)]], num_layers=2,
+                                         num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,
+                                         max_pages_per_sequence=2),
+     ValueError, "predictions must hold one non-empty sequence of LoopPrediction per layer \\(2\\), all of one "
+                 "length"),
+    ("fitting.fitted_prediction: too few tokens for the map",
+     lambda: jflashloop.fitting.fitted_prediction(*np.ones((4, 10, 1, 16))),
+     ValueError, "need at least head_dim \\+ 1 = 17 tokens after the 4 sink tokens, got 6"),
+    ("decode_attention(implementation='pallas'): a predicted loop that stores rows",
+     lambda: jflashloop.decode_attention(
+         jnp.zeros((1, 1, 16)), jflashloop.paged_cache.create(CacheConfig(
+             num_layers=1, num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1, max_pages_per_sequence=2,
+             loops=(LoopStorage(), LoopStorage(jflashloop.INT4_VALUES, jflashloop.INT4_VALUES, 4,
+                                               prediction=jflashloop.LoopPrediction.identity(1, 16))))),
+         0, 1, implementation="pallas", interpret=True),
+     NotImplementedError, "the fused kernels do not read a predicted loop that stores rows "
+                          "\\(LoopStorage.prediction with sparse_rows_per_page > 0\\)"),
+    ("sharding.local_config: a prediction fitted per kv head split over the model axis",
+     lambda: jflashloop.sharding.local_config(
+         CacheConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_pages=4, max_sequences=1,
+                     max_pages_per_sequence=2, loops=(LoopStorage(), LoopStorage(
+                         prediction=jflashloop.LoopPrediction.from_arrays(
+                             np.stack([np.eye(16), 2 * np.eye(16)]), np.zeros((2, 16)), np.stack([np.eye(16)] * 2),
+                             np.zeros((2, 16)))))),
+         types.SimpleNamespace(shape={"data": 1, "model": 2})),
+     ValueError, "a loop prediction fitted per kv head cannot be split over mesh axis 'model': every shard runs "
+                 "one static config, so its heads' tables must be equal"),
 ]
 
 
