@@ -2,6 +2,7 @@
 
 * ``_config``: :class:`~jflashloop.CacheConfig`, :class:`~jflashloop.LoopStorage`, ``sparse_loop``,
   :class:`~jflashloop.Policy` (a named one-loop layout that makes a ``CacheConfig``);
+* ``_prediction``: :class:`~jflashloop.LoopPrediction` (a loop predicted from the loop before it);
 * ``_layout``: what the cache holds: its pytrees (:class:`~jflashloop.PagedKVCache`
   down to one stream's tiles), the error bits, the tiles' byte layout;
 * ``_regions``: where each token is read from (sink, pages, ring): ``regions()``;

@@ -170,8 +170,10 @@ def test_predicted_loops_are_fitted_in_order_from_the_reconstruction_before_them
         affine_int2, affine_int2, 8, prediction=identity)
     with pytest.raises(ValueError, match="needs a prediction fitted to it"):
         policies.loop_storage("pred", 64)
-    with pytest.raises(ValueError, match="a predicted loop stores sparse rows or none"):
-        policies.loop_storage("pred int4", 64, prediction=identity)
+    assert policies.loop_storage("pred int4", 64, prediction=identity) == LoopStorage(INT4_KEYS, INT4_VALUES,
+                                                                                   prediction=identity)
+    with pytest.raises(ValueError, match="a predicted loop is a residual in plain codecs"):
+        policies.loop_storage("pred direct int4", 64, prediction=identity)
     params = ouro.init_params(SMALL, jax.random.PRNGKey(0))
     held_out = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4000).astype(np.uint8)
     settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,), query_positions=4)

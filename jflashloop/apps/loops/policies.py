@@ -124,6 +124,8 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "fitted 3.5 base, predicted loops 3-4": ("fit3.5", "direct fit", "pred", "pred"),
     "fitted 3, predicted loops 3-4": ("fit3", "direct fit3", "pred", "pred"),
     "fitted 3 base, predicted loops 3-4": ("fit3", "direct fit", "pred", "pred"),
+    "fitted, predicted int3 loop 2, predicted loops 3-4": ("fit", "pred int3", "pred", "pred"),
+    "fitted, predicted int4 loop 2, predicted loops 3-4": ("fit", "pred int4", "pred", "pred"),
 }
 
 
@@ -148,17 +150,18 @@ def _predicted(entry: str) -> bool:
 def loop_storage(entry: str, head_dim: int, fitted: dict | None = None, *, layer: int = 0, loop: int = 0,
                  prediction: LoopPrediction | None = None) -> LoopStorage:
     """One loop's :class:`LoopStorage` from ``"codec"``, ``"kcodec/vcodec"`` (dense), ``"codec rows"`` (sparse),
-    ``"direct codec"`` (dense, stored on its own) or ``"pred"`` / ``"pred codec rows"`` (predicted from the loop
-    before with ``prediction``, no rows or sparse rows against it); a fitted codec (:data:`FITTED_CODECS`) takes
+    ``"direct codec"`` (dense, stored on its own) or ``"pred"`` / ``"pred codec rows"`` / ``"pred codec"``
+    (predicted from the loop before with ``prediction``: no rows, sparse rows or a dense residual against it); a
+    fitted codec (:data:`FITTED_CODECS`) takes
     layer ``layer``'s specs of loop ``loop`` from ``fitted`` (:func:`fitted_specs`)."""
     if _predicted(entry):
         if prediction is None:
             raise ValueError(f"{entry!r} in loop {loop + 1} needs a prediction fitted to it (fitted_predictions)")
-        rows = entry.removeprefix(PREDICTED).strip()
-        storage = loop_storage(rows, head_dim, fitted, layer=layer, loop=loop) if rows else LoopStorage(
+        rest = entry.removeprefix(PREDICTED).strip()
+        storage = loop_storage(rest, head_dim, fitted, layer=layer, loop=loop) if rest else LoopStorage(
             INT4_VALUES, INT4_VALUES, 0)
-        if not storage.is_sparse:
-            raise ValueError(f"a predicted loop stores sparse rows or none, got {entry!r}")
+        if storage.direct or rest in FITTED_CODECS:
+            raise ValueError(f"a predicted loop is a residual in plain codecs, got {entry!r}")
         return dataclasses.replace(storage, prediction=prediction)
     direct = entry.startswith("direct ")
     if direct:
