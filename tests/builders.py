@@ -16,7 +16,7 @@ import numpy as np
 
 import jflashloop
 import jflashloop_reference as reference
-from jflashloop import CacheConfig, LoopStorage, paged_cache
+from jflashloop import CacheConfig, LoopStorage, paged_cache, persistence
 from tests.bits import assert_bits_equal
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16
@@ -225,3 +225,13 @@ def hole_cache(rng, config):
 
 def lost_page_config():
     return tiny_config(num_pages=3, max_pages_per_sequence=3, num_loops=3)  # loop 3 sparse
+
+
+def assert_file_round_trip(cache, path):
+    """Save ``cache`` to ``path`` and load it back: the same config and every array bit for bit; the loaded cache."""
+    persistence.save(path, cache)
+    loaded = persistence.load(path)
+    assert loaded.config == cache.config
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(cache), strict=True):
+        assert_bits_equal(np.asarray(a), np.asarray(b), "reloaded")
+    return loaded

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import types
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,13 +17,19 @@ from jflashloop import (
     LoopStorage,
     allocation,
     paged_cache,
-    persistence,
     sharding,
     storage,
 )
 from jflashloop.codecs import round_channel_scales
 from tests.bits import assert_bits_equal
-from tests.builders import HEAD_DIM, HEADS, assert_matches_oracle, build, small_config
+from tests.builders import (
+    HEAD_DIM,
+    HEADS,
+    assert_file_round_trip,
+    assert_matches_oracle,
+    build,
+    small_config,
+)
 
 
 def fitted_specs(rng, heads: int = HEADS, head_dim: int = HEAD_DIM) -> tuple[CodecSpec, CodecSpec]:
@@ -81,11 +86,7 @@ def test_attention_falls_back_to_the_reference_path(rng):
 def test_files_and_policies_keep_the_tables(rng, tmp_path):
     config = fitted_config(rng)
     cache, _ = build(rng, config, prompt_lengths=[37], steps=2)
-    persistence.save(tmp_path / "fitted.jfl", cache)
-    loaded = persistence.load(tmp_path / "fitted.jfl")
-    assert loaded.config == config
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(cache), strict=True):
-        assert_bits_equal(np.asarray(a), np.asarray(b), "reloaded")
+    assert assert_file_round_trip(cache, tmp_path / "fitted.jfl").config == config
     keys, values = config.loops[0].key_spec, config.loops[0].value_spec
     policy = jflashloop.Policy("fitted", keys, values, 4, 16, 16, layer_specs=((keys, values),) * 2)
     allocation.save_policy(tmp_path / "policy.json", policy)

@@ -13,7 +13,14 @@ import jflashloop
 from jflashloop import CacheConfig, LoopStorage, PersistenceError, paged_cache, persistence, storage
 from jflashloop_pallas_kernels.decode_attention import KernelConfig
 from tests.bits import assert_bits_equal
-from tests.builders import HEAD_DIM, History, assert_matches_oracle, build, small_config
+from tests.builders import (
+    HEAD_DIM,
+    History,
+    assert_file_round_trip,
+    assert_matches_oracle,
+    build,
+    small_config,
+)
 
 
 def three_policies(**overrides) -> CacheConfig:
@@ -74,11 +81,7 @@ def test_files_and_bundles_keep_the_layer_policies(rng, tmp_path):
     config = three_policies()
     cache, _ = build(rng, config, prompt_lengths=[37, 0, 50], steps=2)
     cache = paged_cache.free(cache, 1)
-    persistence.save(tmp_path / "layers.jfl", cache)
-    loaded = persistence.load(tmp_path / "layers.jfl")
-    assert loaded.config == config
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(cache), strict=True):
-        assert_bits_equal(np.asarray(a), np.asarray(b), "reloaded")
+    assert assert_file_round_trip(cache, tmp_path / "layers.jfl").config == config
     bundle = persistence.pages_from_bytes(persistence.pages_to_bytes(persistence.export_pages(cache, 2)))
     moved = persistence.import_pages(cache, 1, bundle)
     for layer in range(config.num_layers):

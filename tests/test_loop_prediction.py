@@ -12,11 +12,18 @@ import numpy as np
 import pytest
 
 import jflashloop
-from jflashloop import LoopPrediction, fitting, paged_cache, persistence, sharding, storage
+from jflashloop import LoopPrediction, fitting, paged_cache, sharding, storage
 from jflashloop.cache import _storage
 from reference.paged_cache import round_trip
 from tests.bits import assert_bits_equal
-from tests.builders import HEAD_DIM, HEADS, build, oracle_codec, small_config
+from tests.builders import (
+    HEAD_DIM,
+    HEADS,
+    assert_file_round_trip,
+    build,
+    oracle_codec,
+    small_config,
+)
 
 
 def random_prediction(rng, heads: int = HEADS, head_dim: int = HEAD_DIM) -> LoopPrediction:
@@ -173,11 +180,7 @@ def test_bytes_and_description(rng):
 def test_files_keep_the_predictions(rng, tmp_path):
     config = predicted_config(rng, rows=(4, 0))
     cache, _ = build(rng, config, prompt_lengths=[37], steps=2)
-    persistence.save(tmp_path / "predicted.jfl", cache)
-    loaded = persistence.load(tmp_path / "predicted.jfl")
-    assert loaded.config == config
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(cache), strict=True):
-        assert_bits_equal(np.asarray(a), np.asarray(b), "reloaded")
+    assert assert_file_round_trip(cache, tmp_path / "predicted.jfl").config == config
 
 
 def test_attention_over_predicted_loops(rng):
