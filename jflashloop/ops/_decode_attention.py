@@ -24,7 +24,9 @@ its static stream formats (:func:`loop_formats`, the one conversion from
 :class:`~jflashloop.CodecSpec` to the kernels' descriptors); with rotated
 streams the queries and windows are rotated outside the kernel and the
 output rotated back (:func:`rotated_inputs`, :func:`unrotated_output`), each
-by one float32 product (:func:`jflashloop.codecs.rotate_by_product`).
+by one float32 product (:func:`jflashloop.codecs.rotate_by_product`); a loop predicted from the loop before
+with no rows is read through that loop's streams with the query, windows and output mapped the same way
+(:func:`predicted_source`, :func:`predicted_inputs`, :func:`predicted_output`).
 """
 
 from __future__ import annotations
@@ -183,7 +185,9 @@ def kernel_plan(config: CacheConfig, loop: int) -> KernelPlan:
         INT3, dense affine INT2: :data:`FUSED_FORMATS`, and affine INT2 as
         sparse rows, :data:`ROW_FORMATS`), a chain not in one basis (either no
         stream is rotated, or every K (or V) stream is ``int4_rotated`` with one seed),
-        or a predicted loop (:attr:`~jflashloop.LoopStorage.prediction`).
+        a predicted loop (:attr:`~jflashloop.LoopStorage.prediction`) that stores rows,
+        sits on rotated streams or has a map of condition number above :data:`MAX_CONDITION`
+        (a predicted loop with no rows is read through its source: :func:`predicted_source`).
     """
     requested = loop
     loop, prediction = predicted_source(config, loop)
@@ -318,7 +322,7 @@ def rotated_inputs(queries, cache: PagedKVCache, loop: int, inputs: dict, plan: 
     return queries, windows, window_loop, value_seed
 
 
-def predicted_inputs(queries, inputs: dict, windows: dict, window_loop: int, plan: KernelPlan):
+def predicted_inputs(queries, windows: dict, window_loop: int, plan: KernelPlan):
     """Queries and windows in the source loop's basis for a predicted loop (:func:`predicted_source`).
 
     A page token of the predicted loop is ``x M + b`` (``x`` the source loop's reconstruction, per KV head), so
@@ -329,11 +333,12 @@ def predicted_inputs(queries, inputs: dict, windows: dict, window_loop: int, pla
     """
     if plan.prediction is None:
         return queries, windows, window_loop
+    sequences, q_heads, head_dim = queries.shape
     heads = plan.prediction.num_kv_heads
-    group = queries.shape[1] // heads
     key_table, value_table = plan.prediction.tables()
-    matrix = jnp.asarray(np.repeat(key_table[:, :-1], group, axis=0))  # [q_heads, D, D]
-    queries = jnp.einsum("hde,she->shd", matrix, queries.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    grouped = queries.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)  # GQA groups
+    queries = jnp.einsum("hde,shge->shgd", jnp.asarray(key_table[:, :-1]), grouped,
+                         precision=jax.lax.Precision.HIGHEST).reshape(sequences, q_heads, head_dim)
     moved = {}
     for name, table in (("sink_keys", key_table), ("ring_keys", key_table), ("sink_values", value_table),
                         ("ring_values", value_table)):
@@ -351,13 +356,14 @@ def predicted_output(output, inputs: dict, plan: KernelPlan):
     sequence with no visible token, as the reference gives)."""
     if plan.prediction is None:
         return output
+    sequences, q_heads, head_dim = output.shape
     heads = plan.prediction.num_kv_heads
-    group = output.shape[1] // heads
-    table = plan.prediction.tables()[1]
-    matrix, bias = (jnp.asarray(np.repeat(x, group, axis=0)) for x in (table[:, :-1], table[:, -1]))
-    mapped = jnp.einsum("shd,hde->she", output.astype(jnp.float32), matrix, precision=jax.lax.Precision.HIGHEST)
+    table = jnp.asarray(plan.prediction.tables()[1])
+    grouped = output.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)
+    mapped = jnp.einsum("shgd,hde->shge", grouped, table[:, :-1], precision=jax.lax.Precision.HIGHEST)
     seen = inputs["bounds"][:, 0] > 0
-    return mapped + jnp.where(seen[:, None, None], bias, 0.0)
+    mapped = mapped + jnp.where(seen[:, None, None, None], table[:, -1][None, :, None, :], 0.0)
+    return mapped.reshape(sequences, q_heads, head_dim)
 
 
 def unrotated_output(output, value_seed):
@@ -423,7 +429,7 @@ def _gluon(queries, cache, layer, loop, *, include_pending, scale, kernel_config
     c = cache.config
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)
-    queries, windows, window_loop = predicted_inputs(queries, inputs, windows, window_loop, plan)
+    queries, windows, window_loop = predicted_inputs(queries, windows, window_loop, plan)
     options = {}
     if kernel_config is not None:
         options = dict(splits=kernel_config.num_splits, target_programs=kernel_config.target_programs)
@@ -442,7 +448,7 @@ def _pallas(queries, cache, layer, loop, *, include_pending, scale, kernel_confi
     c = cache.config
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)
-    queries, windows, window_loop = predicted_inputs(queries, inputs, windows, window_loop, plan)
+    queries, windows, window_loop = predicted_inputs(queries, windows, window_loop, plan)
     output = pallas_decode.paged_decode_attention(
         queries,
         inputs["block_tables"],
