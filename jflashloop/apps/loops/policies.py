@@ -18,7 +18,10 @@ the ``"int2"`` format; ``fit`` and ``fit3.5``: the codecs fitted to each layer a
 base and direct loops only); ``"direct <codec>"`` is a dense loop stored on its own rather
 than as a residual against the loop before it (``LoopStorage.direct``), and
 ``"direct <codec> @a-b"`` only in layers ``a..b`` (1-based; the other layers
-store that loop as a residual: per-layer policies, ``CacheConfig.layer_loops``).
+store that loop as a residual: per-layer policies, ``CacheConfig.layer_loops``); ``"pred"`` is a loop predicted
+from the loop before it with no rows (``LoopStorage.prediction``, a map fitted to each layer on the calibration
+windows: :func:`fitted_predictions`), ``"pred <codec> <rows>"`` one with sparse rows against the prediction and
+``"pred <codec>"`` one with a dense residual against it.
 :func:`loop_storage` reads one entry. The
 tables count loops as the report does (loops run: loop 1 is the base).
 """
