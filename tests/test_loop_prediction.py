@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jflashloop
-from jflashloop import LoopPrediction, fitting, paged_cache, sharding, storage
+from jflashloop import LoopPrediction, fitting, paged_cache, persistence, sharding, storage
 from jflashloop.cache import _storage
 from reference.paged_cache import round_trip
 from tests.bits import assert_bits_equal
@@ -273,3 +273,17 @@ def test_the_predicted_preset(rng):
         jflashloop.CacheConfig.predicted_loops(predictions=predictions[:1], num_layers=2, num_kv_heads=HEADS,
                                                head_dim=HEAD_DIM, num_pages=8, max_sequences=1,
                                                max_pages_per_sequence=8)
+
+
+def test_shared_and_moved_pages_keep_their_predictions(rng):
+    """fork and a page bundle carry a cache whose last loop stores nothing."""
+    config = predicted_config(rng, rows=(4, 0))
+    cache, _ = build(rng, config, prompt_lengths=[40], steps=1)
+    forked = paged_cache.fork(cache, 0, 1)
+    assert_bits_equal(paged_cache.reconstruct(forked, 0, 3, 1)[0], paged_cache.reconstruct(forked, 0, 3, 0)[0],
+                      "forked")
+    bundle = persistence.pages_from_bytes(persistence.pages_to_bytes(persistence.export_pages(cache, 0)))
+    imported = persistence.import_pages(cache, 2, bundle)
+    paged_cache.check(imported)
+    assert_bits_equal(paged_cache.reconstruct(imported, 1, 3, 2)[0], paged_cache.reconstruct(imported, 1, 3, 0)[0],
+                      "imported")
