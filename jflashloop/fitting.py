@@ -33,9 +33,11 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from .cache._config import Policy
+from .cache._config import CacheConfig, Policy
 from .cache._prediction import LoopPrediction
 from .codecs import CodecSpec, round_channel_scales
 
@@ -170,6 +172,64 @@ def fitted_prediction(previous_keys, previous_values, keys, values, *, sink_toke
             biases.append(solution[-1])
         tables += [np.stack(matrices), np.stack(biases)]
     return LoopPrediction.from_arrays(*tables)
+
+
+def fit_predicted_loops(config: CacheConfig, keys, values) -> CacheConfig:
+    """``config`` with the map of every predicted loop fitted, loop by loop, on calibration sequences.
+
+    Each layer's predicted loop ``r`` (a :class:`~jflashloop.LoopStorage` with a ``prediction``; its current map is
+    replaced, e.g. :meth:`~jflashloop.LoopPrediction.identity` as a placeholder) gets :func:`fitted_prediction` of
+    loop ``r - 1`` as a cache of ``config``'s policy reconstructs it (with the loops before already fitted) to
+    loop ``r``'s exact K/V, over the positions the cache serves from its pages.
+
+    Args:
+      config: the cache's configuration (its policy; its pool sizes do not matter).
+      keys, values: float ``[sequences, layers, loops, tokens, kv_heads, head_dim]``, calibration sequences (each
+        one :func:`jflashloop.paged_cache.prefill`'s input).
+    Returns:
+      ``config`` with the fitted maps (per layer: ``layer_loops``), for :meth:`CacheConfig.predicted_loops` or any
+      policy with predicted loops. Example: ``fit_predicted_loops(CacheConfig.predicted_loops(predictions=[[
+      LoopPrediction.identity(H, D)] * (loops - 2)] * layers, ...), keys, values)``.
+    Raises:
+      ValueError: arrays of another shape than the config's, or too few page positions for a map
+        (:func:`fitted_prediction`).
+    """
+    import jax  # the cache is a JAX structure; the rest of this module is numpy
+
+    from . import paged_cache
+
+    keys, values = np.asarray(keys, np.float32), np.asarray(values, np.float32)
+    if keys.shape != values.shape or keys.ndim != 6 or keys.shape[1:3] != (config.num_layers, config.num_loops) or \
+            keys.shape[4:] != (config.num_kv_heads, config.head_dim):
+        raise ValueError(f"keys and values must be [sequences, layers={config.num_layers}, loops={config.num_loops}, "
+                         f"tokens, kv_heads={config.num_kv_heads}, head_dim={config.head_dim}], got {keys.shape} and "
+                         f"{values.shape}")
+    sequences, layers, loops, tokens = keys.shape[:4]
+    pages = -(-tokens // config.page_size)
+    layer_loops = [list(config.layer(layer).loops) for layer in range(layers)]
+    prefill = jax.jit(paged_cache.prefill)
+    for loop in range(1, loops):
+        if all(layer_loops[layer][loop].prediction is None for layer in range(layers)):
+            continue
+        config = dataclasses.replace(config, loops=tuple(layer_loops[0]),
+                                     layer_loops=tuple(tuple(x) for x in layer_loops))
+        cache = paged_cache.create(dataclasses.replace(config, num_pages=sequences * pages, max_sequences=sequences,
+                                                       max_pages_per_sequence=pages))
+        for sequence in range(sequences):
+            cache = prefill(cache, sequence, keys[sequence], values[sequence])
+        served = [np.flatnonzero(np.asarray(paged_cache.sequence_regions(cache, s)["pages"])) for s in range(sequences)]
+        for layer in range(layers):
+            if layer_loops[layer][loop].prediction is None:
+                continue
+            before = [paged_cache.reconstruct(cache, layer, loop - 1, s)[:2] for s in range(sequences)]
+            previous = [np.concatenate([np.asarray(b[i])[at] for b, at in zip(before, served, strict=True)])
+                        for i in (0, 1)]
+            target = [np.concatenate([x[s, layer, loop][at] for s, at in enumerate(served)]) for x in (keys, values)]
+            layer_loops[layer][loop] = dataclasses.replace(
+                layer_loops[layer][loop], prediction=fitted_prediction(*previous, *target, sink_tokens=0))
+    uniform = all(x == layer_loops[0] for x in layer_loops)
+    return dataclasses.replace(config, loops=tuple(layer_loops[0]),
+                               layer_loops=None if uniform else tuple(tuple(x) for x in layer_loops))
 
 
 def keys_from_weights(weights, mean_bits: float = 4.0, *, group_size: int = 64, widths=KEY_WIDTHS) -> CodecSpec:

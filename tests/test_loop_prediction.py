@@ -287,3 +287,34 @@ def test_shared_and_moved_pages_keep_their_predictions(rng):
     paged_cache.check(imported)
     assert_bits_equal(paged_cache.reconstruct(imported, 1, 3, 2)[0], paged_cache.reconstruct(imported, 1, 3, 0)[0],
                       "imported")
+
+
+def test_fit_predicted_loops_fits_each_loop_from_the_reconstruction_before_it(rng):
+    """On K/V whose later loops are exact affine maps of the loop before, the fitted maps recover them and a
+    predicted loop with no rows is then as close as its source's coding allows."""
+    placeholder = LoopPrediction.identity(HEADS, HEAD_DIM)
+    config = jflashloop.CacheConfig.predicted_loops(
+        predictions=[[placeholder, placeholder]] * 2, num_layers=2, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+        num_pages=8, max_sequences=1, max_pages_per_sequence=8, page_size=16, recent_tokens=16)
+    truth = [[random_prediction(rng) for _ in range(2)] for _ in range(2)]
+    keys, values = (rng.standard_normal((3, 2, 4, 96, HEADS, HEAD_DIM)).astype(np.float32) for _ in range(2))
+    for layer in range(2):
+        for loop in (2, 3):
+            mapped = truth[layer][loop - 2].apply(keys[:, layer, loop - 1], values[:, layer, loop - 1])
+            keys[:, layer, loop], values[:, layer, loop] = (np.asarray(x) for x in mapped)
+    fitted = fitting.fit_predicted_loops(config, keys, values)
+    assert fitted.num_pages == config.num_pages and fitted.layer_loops is not None
+    # loop 2 is fitted from loop 1's INT4 reconstruction (not its exact K/V), so the map is close, not exact
+    for layer in range(2):
+        got, want = fitted.layer(layer).loops[2].prediction.tables(), truth[layer][0].tables()
+        for g, w in zip(got, want, strict=True):
+            assert np.abs(g - w).max() < 0.1
+    errors = {}
+    for name, policy in (("fitted", fitted), ("placeholder", config)):
+        cache = paged_cache.prefill(paged_cache.create(policy), 0, keys[0], values[0])
+        served = page_positions(cache, 0)
+        rebuilt = np.asarray(paged_cache.reconstruct(cache, 1, 3, 0)[0])[served]
+        errors[name] = np.linalg.norm(rebuilt - keys[0, 1, 3][served]) / np.linalg.norm(keys[0, 1, 3][served])
+    assert errors["fitted"] < 0.1 and errors["placeholder"] > 4 * errors["fitted"], errors
+    with pytest.raises(ValueError, match="keys and values must be"):
+        fitting.fit_predicted_loops(config, keys[:, :1], values[:, :1])

@@ -514,6 +514,14 @@ BAD_INPUTS = [
          0, 1, implementation="pallas", interpret=True),
      NotImplementedError, "the fused kernels do not read a predicted loop that stores rows "
                           "\\(LoopStorage.prediction with sparse_rows_per_page > 0\\)"),
+    ("fitting.fit_predicted_loops: arrays of another shape than the config's",
+     lambda: jflashloop.fitting.fit_predicted_loops(
+         CacheConfig.predicted_loops(predictions=[[jflashloop.LoopPrediction.identity(1, 16)]], num_layers=1,
+                                     num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,
+                                     max_pages_per_sequence=2),
+         *np.ones((2, 1, 1, 3, 8, 1, 8))),
+     ValueError, "keys and values must be \\[sequences, layers=1, loops=3, tokens, kv_heads=1, head_dim=16\\], got "
+                 "\\(1, 1, 3, 8, 1, 8\\) and \\(1, 1, 3, 8, 1, 8\\)"),
     ("sharding.local_config: a prediction fitted per kv head split over the model axis",
      lambda: jflashloop.sharding.local_config(
          CacheConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_pages=4, max_sequences=1,

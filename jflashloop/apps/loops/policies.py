@@ -261,35 +261,19 @@ def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies,
 
 def fitted_predictions(params, model: ouro.OuroConfig, held_out: np.ndarray, policy: tuple[str, ...],
                        settings: SweepSettings, fitted: dict | None = None, seed: int = CALIBRATION_SEED) -> dict:
-    """``{loop: [LoopPrediction per layer]}`` for the predicted loops of ``policy`` (``"pred ..."`` entries).
-
-    Each is fitted (:func:`jflashloop.fitting.fitted_prediction`) on ``settings.sequences`` held-out windows of
-    ``seed`` from the loop before it as the policy's cache reconstructs it (with the predictions of earlier loops
-    already fitted) to the loop's exact K/V, over the page positions (after the sinks, before the recent window).
-    """
+    """``{loop: [LoopPrediction per layer]}`` for the predicted loops of ``policy`` (``"pred ..."`` entries):
+    :func:`jflashloop.fitting.fit_predicted_loops` of the policy's cache on ``settings.sequences`` held-out
+    windows of ``seed`` (each predicted loop from the loop before as that cache reconstructs it)."""
     loops = [loop for loop, entry in enumerate(policy) if _predicted(entry)]
     if not loops:
         return {}
     token_ids = jnp.asarray(held_out_windows(held_out, settings.sequences, settings.tokens, seed))
-    _, keys, values, _ = _forward(params, model, token_ids)
+    _, keys, values, _ = _forward(params, model, token_ids)  # [loops, layers, windows, T, H, D]
     identity = [LoopPrediction.identity(model.kv_heads, model.head_dim)] * model.layers
-    pages = slice(CacheConfig.sink_tokens, settings.tokens - RECENT_TOKENS)
-    predictions = {}
-    for loop in loops:
-        config = policy_config(policy, model, settings.sequences, settings.tokens, fitted=fitted,
-                               predictions={other: predictions.get(other, identity) for other in loops})
-        cache = prefill_cross_loop_cache(config, keys, values)
-        stored_keys, stored_values = reconstruct_every_loop(cache, settings.sequences, settings.tokens)
-
-        def flat(x, layer, which):  # [loops, layers, windows, T, H, D] -> [windows * page positions, H, D]
-            return np.asarray(x[which, layer, :, pages], np.float64).reshape(-1, *x.shape[-2:])
-
-        predictions[loop] = [fitting.fitted_prediction(flat(stored_keys, layer, loop - 1),
-                                                       flat(stored_values, layer, loop - 1),
-                                                       flat(keys, layer, loop), flat(values, layer, loop),
-                                                       sink_tokens=0)
-                             for layer in range(model.layers)]
-    return predictions
+    config = policy_config(policy, model, settings.sequences, settings.tokens, fitted=fitted,
+                           predictions=dict.fromkeys(loops, identity))
+    config = fitting.fit_predicted_loops(config, *(np.asarray(x).transpose(2, 1, 0, 3, 4, 5) for x in (keys, values)))
+    return {loop: [config.layer(layer).loops[loop].prediction for layer in range(model.layers)] for loop in loops}
 
 
 @dataclasses.dataclass(frozen=True)
