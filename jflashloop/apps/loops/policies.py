@@ -129,6 +129,10 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "fitted 3 base, predicted loops 3-4": ("fit3", "direct fit", "pred", "pred"),
     "fitted, predicted int3 loop 2, predicted loops 3-4": ("fit", "pred int3", "pred", "pred"),
     "fitted, predicted int4 loop 2, predicted loops 3-4": ("fit", "pred int4", "pred", "pred"),
+    "fitted, predicted int4/int3 loop 2, predicted loops 3-4": ("fit", "pred int4/int3", "pred", "pred"),
+    "fitted, predicted int3/int4 loop 2, predicted loops 3-4": ("fit", "pred int3/int4", "pred", "pred"),
+    "fitted 3.5 base, predicted int4 loop 2, predicted loops 3-4": ("fit3.5", "pred int4", "pred", "pred"),
+    "fitted 3.5 base, predicted int4/int3 loop 2, predicted loops 3-4": ("fit3.5", "pred int4/int3", "pred", "pred"),
 }
 
 
