@@ -211,8 +211,7 @@ def fit_predicted_loops(config: CacheConfig, keys, values) -> CacheConfig:
     for loop in range(1, loops):
         if all(layer_loops[layer][loop].prediction is None for layer in range(layers)):
             continue
-        config = dataclasses.replace(config, loops=tuple(layer_loops[0]),
-                                     layer_loops=tuple(tuple(x) for x in layer_loops))
+        config = config.with_layer_loops(layer_loops)
         cache = paged_cache.create(dataclasses.replace(config, num_pages=sequences * pages, max_sequences=sequences,
                                                        max_pages_per_sequence=pages))
         for sequence in range(sequences):
@@ -227,9 +226,7 @@ def fit_predicted_loops(config: CacheConfig, keys, values) -> CacheConfig:
             target = [np.concatenate([x[s, layer, loop][at] for s, at in enumerate(served)]) for x in (keys, values)]
             layer_loops[layer][loop] = dataclasses.replace(
                 layer_loops[layer][loop], prediction=fitted_prediction(*previous, *target, sink_tokens=0))
-    uniform = all(x == layer_loops[0] for x in layer_loops)
-    return dataclasses.replace(config, loops=tuple(layer_loops[0]),
-                               layer_loops=None if uniform else tuple(tuple(x) for x in layer_loops))
+    return config.with_layer_loops(layer_loops)
 
 
 def keys_from_weights(weights, mean_bits: float = 4.0, *, group_size: int = 64, widths=KEY_WIDTHS) -> CodecSpec:

@@ -496,6 +496,10 @@ BAD_INPUTS = [
                          max_pages_per_sequence=2, page_size=16, loops=(LoopStorage(), LoopStorage(
                              prediction=jflashloop.LoopPrediction.identity(1, 16)))),
      ValueError, "CacheConfig.loops\\[1\\].prediction maps 1 KV heads of head_dim 16; the cache has 2 of 16"),
+    ("CacheConfig.with_layer_loops: not one list of loops per layer",
+     lambda: CacheConfig(num_layers=2, num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,
+                         max_pages_per_sequence=2).with_layer_loops([(LoopStorage(),)]),
+     ValueError, "with_layer_loops needs one sequence of LoopStorage per layer \\(2\\), got 1"),
     ("CacheConfig.predicted_loops: not one list of predictions per layer",
      lambda: CacheConfig.predicted_loops(predictions=[[jflashloop.LoopPrediction.identity(1, 16)]], num_layers=2,
                                          num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,

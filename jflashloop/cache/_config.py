@@ -251,6 +251,16 @@ class CacheConfig:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {index}")
         return _layer_config(self, index)
 
+    def with_layer_loops(self, per_layer) -> CacheConfig:
+        """This config storing layer ``i``'s loops as ``per_layer[i]`` (sequences of :class:`LoopStorage`, one per
+        layer): ``layer_loops`` None when every layer's are equal."""
+        per_layer = tuple(tuple(loops) for loops in per_layer)
+        if len(per_layer) != self.num_layers:
+            raise ValueError(f"with_layer_loops needs one sequence of LoopStorage per layer ({self.num_layers}), "
+                             f"got {len(per_layer)}")
+        uniform = all(loops == per_layer[0] for loops in per_layer)
+        return dataclasses.replace(self, loops=per_layer[0], layer_loops=None if uniform else per_layer)
+
     @property
     def is_uniform(self) -> bool:
         """Whether every layer stores its loops alike."""
@@ -377,8 +387,7 @@ class CacheConfig:
         base = cls.flashloop(num_layers=num_layers, num_loops=2, page_size=page_size, direct_loop=True, **kwargs)
         per_layer = tuple((*base.loops, *(LoopStorage(INT4_VALUES, INT4_VALUES, 0, prediction=prediction)
                                           for prediction in layer)) for layer in predictions)
-        uniform = all(loops == per_layer[0] for loops in per_layer)
-        return dataclasses.replace(base, loops=per_layer[0], layer_loops=None if uniform else per_layer)
+        return base.with_layer_loops(per_layer)
 
     @classmethod
     def for_sequences(

@@ -67,9 +67,14 @@ class LoopPrediction:
             if matrix.shape != (heads, head_dim, head_dim) or bias.shape != (heads, head_dim):
                 raise ValueError(f"{name}_matrix and {name}_bias must be [{heads}, {head_dim}, {head_dim}] and "
                                  f"[{heads}, {head_dim}], got {matrix.shape} and {bias.shape}")
-            table = np.concatenate([matrix, bias[:, None, :]], axis=1).astype("<f4")
-            tables.append(table.tobytes())
-        return cls(heads, head_dim, *tables)
+            tables.append(np.concatenate([matrix, bias[:, None, :]], axis=1))
+        return cls._from_tables(*tables)
+
+    @classmethod
+    def _from_tables(cls, key_table, value_table) -> LoopPrediction:
+        """From float ``[H, D + 1, D]`` tables (rounded to float32; :meth:`tables`' layout)."""
+        heads, _, head_dim = np.shape(key_table)
+        return cls(heads, head_dim, *(np.asarray(t).astype("<f4").tobytes() for t in (key_table, value_table)))
 
     @classmethod
     def identity(cls, num_kv_heads: int, head_dim: int) -> LoopPrediction:
@@ -92,8 +97,7 @@ class LoopPrediction:
         """The prediction of heads ``start .. start + count - 1``."""
         if not 0 <= start < start + count <= self.num_kv_heads:
             raise ValueError(f"heads {start}..{start + count - 1} are not in [0, {self.num_kv_heads})")
-        keys, values = (table[start:start + count] for table in self.tables())
-        return LoopPrediction.from_arrays(keys[:, :-1], keys[:, -1], values[:, :-1], values[:, -1])
+        return LoopPrediction._from_tables(*(table[start:start + count] for table in self.tables()))
 
     def then(self, following: LoopPrediction) -> LoopPrediction:
         """The map of ``following`` applied after this one: ``(x M1 + b1) M2 + b2 = x (M1 M2) + (b1 M2 + b2)``
@@ -101,9 +105,10 @@ class LoopPrediction:
         tables = []
         for first, second in zip(self.tables(), following.tables(), strict=True):
             first, second = first.astype(np.float64), second.astype(np.float64)
-            tables += [first[:, :-1] @ second[:, :-1], np.einsum("hd,hde->he", first[:, -1], second[:, :-1])
-                       + second[:, -1]]
-        return LoopPrediction.from_arrays(*tables)
+            composed = first @ second[:, :-1]  # rows 0..D-1: M1 M2; row D: b1 M2
+            composed[:, -1] += second[:, -1]
+            tables.append(composed)
+        return LoopPrediction._from_tables(*tables)
 
     def apply(self, keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
         """float32 ``(keys @ Mk[h] + bk[h], values @ Mv[h] + bv[h])`` of float ``[..., H, D]`` K and V."""
@@ -130,4 +135,4 @@ class LoopPrediction:
         if keys.shape != shape or values.shape != shape:
             raise ValueError(f"LoopPrediction tables must be {list(shape)}, got {list(keys.shape)} and "
                              f"{list(values.shape)}")
-        return cls.from_arrays(keys[:, :-1], keys[:, -1], values[:, :-1], values[:, -1])
+        return cls._from_tables(keys, values)

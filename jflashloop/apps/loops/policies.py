@@ -214,11 +214,9 @@ def policy_config(policy: tuple[str, ...], model: ouro.OuroConfig, sequences: in
                                          loop=loop, prediction=predictions[loop][layer] if loop in predictions
                                          else None) for loop, entry in enumerate(policy))
                       for layer in range(model.layers))
-    uniform = all(loops == per_layer[0] for loops in per_layer)
     return CacheConfig(num_layers=model.layers, num_kv_heads=model.kv_heads, head_dim=model.head_dim,
                        num_pages=sequences * pages, max_sequences=sequences, max_pages_per_sequence=pages,
-                       loops=per_layer[0], page_size=PAGE_SIZE, recent_tokens=recent_tokens,
-                       layer_loops=None if uniform else per_layer)
+                       loops=per_layer[0], page_size=PAGE_SIZE, recent_tokens=recent_tokens).with_layer_loops(per_layer)
 
 
 def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies, settings: SweepSettings,
