@@ -12,7 +12,9 @@ tables that these functions choose from one layer's calibration tensors:
   longer sets every token's step; the attention output is linear in the values, so nothing else changes.
 
 And for a looped model's later loops, :func:`fitted_prediction`: a per-head affine map from the loop before
-(:class:`~jflashloop.LoopPrediction`, ``LoopStorage.prediction``), fitted by least squares.
+(:class:`~jflashloop.LoopPrediction`, ``LoopStorage.prediction``), fitted by least squares; through a cache of a
+whole config, :func:`fit_predicted_loops` (every predicted loop's map) and :func:`fit_residual_codecs` (a dense
+residual loop's codecs fitted to what it stores: the residual against its prediction or the loop before).
 
 On SmolLM2-135M both together cut the held-out attention-output error 1.45x at INT4 G64's bytes
 (``bench/QUALITY.md``, "Codes fitted to the model"). Fit on one text and check on another: the tables are
@@ -34,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -194,39 +197,130 @@ def fit_predicted_loops(config: CacheConfig, keys, values) -> CacheConfig:
       ValueError: arrays of another shape than the config's, or too few page positions for a map
         (:func:`fitted_prediction`).
     """
-    import jax  # the cache is a JAX structure; the rest of this module is numpy
+    keys, values = _calibration_tensors(config, keys, values)
+    layers, loops = keys.shape[1:3]
+    layer_loops = [list(config.layer(layer).loops) for layer in range(layers)]
+    for loop in range(1, loops):
+        if all(layer_loops[layer][loop].prediction is None for layer in range(layers)):
+            continue
+        config = config.with_layer_loops(layer_loops)
+        calibration = _CalibrationCache.of(config, keys, values)
+        for layer in range(layers):
+            if layer_loops[layer][loop].prediction is None:
+                continue
+            layer_loops[layer][loop] = dataclasses.replace(
+                layer_loops[layer][loop], prediction=fitted_prediction(
+                    *calibration.reconstruction(layer, loop - 1), *calibration.exact(layer, loop), sink_tokens=0))
+    return config.with_layer_loops(layer_loops)
 
-    from . import paged_cache
 
+def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int, mean_bits: float = 4.0
+                        ) -> CacheConfig:
+    """``config`` with loop ``loop``'s dense residual stored in codecs fitted to that residual, layer by layer.
+
+    A residual loop stores ``x - reference``: the loop before as the cache reconstructs it, or its
+    :class:`~jflashloop.LoopPrediction` of it (``LoopStorage.prediction``), or nothing for a direct loop. Each layer's
+    loop ``loop`` gets :func:`fitted_keys` (``int_mixed``, ``mean_bits``) and :func:`fitted_values`
+    (``int4_scaled``) of that residual on calibration sequences, through a cache of ``config``'s policy (the loops
+    before as it stores them; fit a predicted loop's map first, :func:`fit_predicted_loops`, then its codecs, then
+    the maps of the loops after it again, since they predict from this loop's reconstruction).
+
+    Args:
+      config: the cache's configuration; loop ``loop`` (1 <= loop < loops) is dense (no sparse rows) in every layer.
+      keys, values: float ``[sequences, layers, loops, tokens, kv_heads, head_dim]``, calibration sequences.
+      queries: float ``[sequences, layers, loops, query_tokens, q_heads, head_dim]``, the model's queries on them
+        (any positions: :func:`key_channel_weights`).
+      loop: the residual loop (0-based; the base is coded on its own: :func:`fitted_policy`).
+      mean_bits: the keys' mean width (``mean_bits * head_dim`` a multiple of 32).
+    Returns:
+      ``config`` with per-layer loops (``layer_loops``) whose loop ``loop`` stores fitted codecs.
+    Raises:
+      ValueError: arrays of another shape than the config's, ``loop`` out of range, a loop with sparse rows, or too
+        few page positions for a key group.
+    """
+    keys, values = _calibration_tensors(config, keys, values)
+    queries = np.asarray(queries, np.float32)
+    sequences, layers, loops = keys.shape[:3]
+    if queries.ndim != 6 or queries.shape[:3] != keys.shape[:3] or queries.shape[5] != config.head_dim:
+        raise ValueError(f"queries must be [sequences={sequences}, layers={layers}, loops={loops}, query_tokens, q_heads, "
+                         f"head_dim={config.head_dim}], got {queries.shape}")
+    if not 1 <= loop < loops:
+        raise ValueError(f"loop must be a residual loop, 1 <= loop < {loops}, got {loop}")
+    layer_loops = [list(config.layer(layer).loops) for layer in range(layers)]
+    if any(layer_loops[layer][loop].is_sparse for layer in range(layers)):
+        raise ValueError(f"loop {loop} stores sparse rows; fitted codecs are dense")
+    calibration = _CalibrationCache.of(config, keys, values)
+    for layer in range(layers):
+        storage = layer_loops[layer][loop]
+        exact = calibration.exact(layer, loop)
+        if storage.direct:
+            residual = exact
+        else:
+            before = calibration.reconstruction(layer, loop - 1)
+            reference = storage.prediction.apply(*before) if storage.prediction is not None else before
+            residual = [x - np.asarray(r) for x, r in zip(exact, reference, strict=True)]
+        layer_queries = queries[:, layer, loop].reshape(-1, *queries.shape[4:])
+        layer_loops[layer][loop] = dataclasses.replace(
+            storage, key_spec=fitted_keys(residual[0], layer_queries, mean_bits, group_size=config.page_size,
+                                          sink_tokens=0),
+            value_spec=fitted_values(residual[1], sink_tokens=0))
+    return config.with_layer_loops(layer_loops)
+
+
+def _calibration_tensors(config: CacheConfig, keys, values) -> tuple[np.ndarray, np.ndarray]:
     keys, values = np.asarray(keys, np.float32), np.asarray(values, np.float32)
     if keys.shape != values.shape or keys.ndim != 6 or keys.shape[1:3] != (config.num_layers, config.num_loops) or \
             keys.shape[4:] != (config.num_kv_heads, config.head_dim):
         raise ValueError(f"keys and values must be [sequences, layers={config.num_layers}, loops={config.num_loops}, "
                          f"tokens, kv_heads={config.num_kv_heads}, head_dim={config.head_dim}], got {keys.shape} and "
                          f"{values.shape}")
-    sequences, layers, loops, tokens = keys.shape[:4]
-    pages = -(-tokens // config.page_size)
-    layer_loops = [list(config.layer(layer).loops) for layer in range(layers)]
-    prefill = jax.jit(paged_cache.prefill)
-    for loop in range(1, loops):
-        if all(layer_loops[layer][loop].prediction is None for layer in range(layers)):
-            continue
-        config = config.with_layer_loops(layer_loops)
+    return keys, values
+
+
+@functools.cache
+def _jitted_prefill():
+    import jax  # the cache is a JAX structure; the rest of this module is numpy
+
+    from . import paged_cache
+
+    return jax.jit(paged_cache.prefill)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CalibrationCache:
+    """Calibration sequences prefilled into a cache of one policy, and the page positions it serves."""
+
+    cache: object
+    served: tuple[np.ndarray, ...]  # per sequence: the positions read from pages
+    keys: np.ndarray
+    values: np.ndarray
+
+    @classmethod
+    def of(cls, config: CacheConfig, keys: np.ndarray, values: np.ndarray) -> _CalibrationCache:
+        from . import paged_cache
+
+        sequences, tokens = keys.shape[0], keys.shape[3]
+        pages = -(-tokens // config.page_size)
         cache = paged_cache.create(dataclasses.replace(config, num_pages=sequences * pages, max_sequences=sequences,
                                                        max_pages_per_sequence=pages))
         for sequence in range(sequences):
-            cache = prefill(cache, sequence, keys[sequence], values[sequence])
-        served = [np.flatnonzero(np.asarray(paged_cache.sequence_regions(cache, s)["pages"])) for s in range(sequences)]
-        for layer in range(layers):
-            if layer_loops[layer][loop].prediction is None:
-                continue
-            before = [paged_cache.reconstruct(cache, layer, loop - 1, s)[:2] for s in range(sequences)]
-            previous = [np.concatenate([np.asarray(b[i])[at] for b, at in zip(before, served, strict=True)])
-                        for i in (0, 1)]
-            target = [np.concatenate([x[s, layer, loop][at] for s, at in enumerate(served)]) for x in (keys, values)]
-            layer_loops[layer][loop] = dataclasses.replace(
-                layer_loops[layer][loop], prediction=fitted_prediction(*previous, *target, sink_tokens=0))
-    return config.with_layer_loops(layer_loops)
+            cache = _jitted_prefill()(cache, sequence, keys[sequence], values[sequence])
+        served = tuple(np.flatnonzero(np.asarray(paged_cache.sequence_regions(cache, s)["pages"]))
+                       for s in range(sequences))
+        return cls(cache, served, keys, values)
+
+    def reconstruction(self, layer: int, loop: int) -> list[np.ndarray]:
+        """float32 ``[K, V]``, each ``[served tokens of every sequence, H, D]``: the loop as the cache decodes it."""
+        from . import paged_cache
+
+        decoded = [paged_cache.reconstruct(self.cache, layer, loop, s)[:2] for s in range(len(self.served))]
+        return [np.concatenate([np.asarray(d[i])[at] for d, at in zip(decoded, self.served, strict=True)])
+                for i in (0, 1)]
+
+    def exact(self, layer: int, loop: int) -> list[np.ndarray]:
+        """float32 ``[K, V]`` of the calibration tensors at the same positions."""
+        return [np.concatenate([x[s, layer, loop][at] for s, at in enumerate(self.served)])
+                for x in (self.keys, self.values)]
 
 
 def keys_from_weights(weights, mean_bits: float = 4.0, *, group_size: int = 64, widths=KEY_WIDTHS) -> CodecSpec:

@@ -289,6 +289,49 @@ def test_shared_and_moved_pages_keep_their_predictions(rng):
                       "imported")
 
 
+@pytest.mark.parametrize("kind", ["residual", "predicted", "direct"])
+def test_fit_residual_codecs_fits_what_the_loop_stores(rng, kind):
+    """Loop 2 is the reference its storage subtracts (the loop before as the cache decodes it, its prediction of
+    it, or nothing for a direct loop) plus a residual whose one channel (per head) carries almost all its energy:
+    the fitted keys give that channel the widest code and the fitted values their largest divisor there. The
+    control (the same K/V, fitted as a plain residual) does not, so the test sees which residual was fitted."""
+    doubling = LoopPrediction.from_arrays(*(np.stack([2 * np.eye(HEAD_DIM)] * HEADS), np.full((HEADS, HEAD_DIM), 0.5)) * 2)
+    storage = {"residual": {}, "predicted": {"prediction": doubling}, "direct": {"direct": True}}[kind]
+    base = small_config(num_pages=24, max_sequences=3, max_pages_per_sequence=8)
+    config = dataclasses.replace(base, loops=(base.loops[0], dataclasses.replace(base.loops[1], **storage),
+                                              *base.loops[2:]))
+    loud = rng.integers(HEAD_DIM, size=HEADS)
+    keys, values = (rng.standard_normal((3, 2, 4, 96, HEADS, HEAD_DIM)).astype(np.float32) for _ in range(2))
+    residual = 0.01 * rng.standard_normal((2, 3, 2, 96, HEADS, HEAD_DIM)).astype(np.float32)
+    residual[..., np.arange(HEADS), loud] = rng.standard_normal((2, 3, 2, 96, HEADS))
+    reference = {"residual": (keys[:, :, 0], values[:, :, 0]), "direct": (0, 0),
+                 "predicted": tuple(np.asarray(x) for x in doubling.apply(keys[:, :, 0], values[:, :, 0]))}[kind]
+    keys[:, :, 1], values[:, :, 1] = reference[0] + residual[0], reference[1] + residual[1]
+    queries = rng.standard_normal((3, 2, 4, 8, HEADS, HEAD_DIM)).astype(np.float32)
+    fitted = fitting.fit_residual_codecs(config, keys, values, queries, loop=1, mean_bits=4.0)
+    control = fitting.fit_residual_codecs(base, keys, values, queries, loop=1, mean_bits=4.0)
+    for layer in range(2):
+        loop = fitted.layer(layer).loops[1]
+        assert loop.key_spec.format == "int_mixed" and loop.value_spec.format == "int4_scaled"
+        assert (loop.prediction, loop.direct) == (config.loops[1].prediction, config.loops[1].direct)
+        assert fitted.layer(layer).loops[2:] == config.loops[2:] and fitted.layer(layer).loops[0] == config.loops[0]
+        widths, scales = np.array(loop.key_spec.channel_bits), np.array(loop.value_spec.channel_scale)
+        assert np.all(widths.sum(axis=1) == 4 * HEAD_DIM)
+        assert np.all(widths[np.arange(HEADS), loud] == max(fitting.KEY_WIDTHS)), (widths, loud)
+        assert np.all(np.argmax(scales, axis=1) == loud)
+        if kind != "residual":
+            wrong = np.array(control.layer(layer).loops[1].key_spec.channel_bits)
+            assert np.any(wrong[np.arange(HEADS), loud] < max(fitting.KEY_WIDTHS)), wrong
+    cache = paged_cache.prefill(paged_cache.create(fitted), 0, keys[0], values[0])  # the fitted codecs store pages
+    paged_cache.check(cache)
+    with pytest.raises(ValueError, match="loop must be a residual loop"):
+        fitting.fit_residual_codecs(config, keys, values, queries, loop=0)
+    with pytest.raises(ValueError, match="stores sparse rows"):
+        fitting.fit_residual_codecs(config, keys, values, queries, loop=2)
+    with pytest.raises(ValueError, match="queries must be"):
+        fitting.fit_residual_codecs(config, keys, values, queries[:, :1], loop=1)
+
+
 def test_fit_predicted_loops_fits_each_loop_from_the_reconstruction_before_it(rng):
     """On K/V whose later loops are exact affine maps of the loop before, the fitted maps recover them and a
     predicted loop with no rows is then as close as its source's coding allows."""

@@ -526,6 +526,12 @@ BAD_INPUTS = [
          *np.ones((2, 1, 1, 3, 8, 1, 8))),
      ValueError, "keys and values must be \\[sequences, layers=1, loops=3, tokens, kv_heads=1, head_dim=16\\], got "
                  "\\(1, 1, 3, 8, 1, 8\\) and \\(1, 1, 3, 8, 1, 8\\)"),
+    ("fitting.fit_residual_codecs: a loop with sparse rows",
+     lambda: jflashloop.fitting.fit_residual_codecs(
+         CacheConfig.flashloop(num_layers=1, num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,
+                               max_pages_per_sequence=2, num_loops=3),
+         *np.ones((2, 1, 1, 3, 8, 1, 16)), np.ones((1, 1, 3, 2, 1, 16)), loop=2),
+     ValueError, "loop 2 stores sparse rows; fitted codecs are dense"),
     ("sharding.local_config: a prediction fitted per kv head split over the model axis",
      lambda: jflashloop.sharding.local_config(
          CacheConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_pages=4, max_sequences=1,

@@ -98,17 +98,18 @@ def placeholder_fitted(policy) -> dict:
     return fitted
 
 
-def placeholder_predictions(policy, model=TINY) -> dict:
-    """Identity predictions for ``policy``'s predicted loops, as :func:`policies.fitted_predictions` returns them."""
+def placeholder_predicted(policy, model=TINY) -> dict:
+    """Identity predictions for ``policy``'s predicted loops, as :func:`policies.fitted_predicted_loops` returns them."""
     identity = LoopPrediction.identity(model.kv_heads, model.head_dim)
-    return {loop: [identity] * model.layers for loop, entry in enumerate(policy) if entry.startswith("pred")}
+    return {loop: [policies.loop_storage(entry, model.head_dim, prediction=identity)] * model.layers
+            for loop, entry in enumerate(policy) if entry.startswith("pred")}
 
 
 @pytest.mark.parametrize("name", sorted(policies.POLICIES))
 def test_every_policy_makes_a_valid_cache(name):
     policy = policies.POLICIES[name]
     config = policies.policy_config(policy, TINY, 1, 64, fitted=placeholder_fitted(policy),
-                                    predictions=placeholder_predictions(policy))
+                                    predicted=placeholder_predicted(policy))
     per_token, ratio = policies.bytes_per_token(config)
     assert config.num_loops == TINY.loops and not config.loops[0].is_sparse
     assert float(ratio) == pytest.approx(16384 / per_token, rel=1e-12)
@@ -172,15 +173,38 @@ def test_predicted_loops_are_fitted_in_order_from_the_reconstruction_before_them
         policies.loop_storage("pred", 64)
     assert policies.loop_storage("pred int4", 64, prediction=identity) == LoopStorage(INT4_KEYS, INT4_VALUES,
                                                                                    prediction=identity)
-    with pytest.raises(ValueError, match="a predicted loop is a residual in plain codecs"):
+    with pytest.raises(ValueError, match="a predicted loop is a residual against its prediction"):
         policies.loop_storage("pred direct int4", 64, prediction=identity)
+    assert policies.loop_storage("pred fit3.5", 64, prediction=identity) == LoopStorage(INT4_KEYS, INT4_VALUES,
+                                                                                     prediction=identity)
     params = ouro.init_params(SMALL, jax.random.PRNGKey(0))
     held_out = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4000).astype(np.uint8)
     settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,), query_positions=4)
     policy = ("int4", "direct int4", "pred int2a 8", "pred")
-    predictions = policies.fitted_predictions(params, SMALL, held_out, policy, settings)
-    assert sorted(predictions) == [2, 3] and len(predictions[2]) == SMALL.layers
-    assert all(p.num_kv_heads == SMALL.kv_heads and not p.same_for_every_head for p in predictions[3])
-    assert policies.fitted_predictions(params, SMALL, held_out, policies.FLASHLOOP, settings) == {}
-    config = policies.policy_config(policy, SMALL, 2, 140, predictions=predictions)
-    assert config.loops[3].sparse_rows_per_page == 0 and config.loops[3].prediction == predictions[3][0]
+    predicted = policies.fitted_predicted_loops(params, SMALL, held_out, policy, settings)
+    assert sorted(predicted) == [2, 3] and len(predicted[2]) == SMALL.layers
+    assert predicted[2][0].sparse_rows_per_page == 8 and predicted[3][0].sparse_rows_per_page == 0
+    assert all(s.prediction.num_kv_heads == SMALL.kv_heads and not s.prediction.same_for_every_head
+               for s in predicted[3])
+    assert policies.fitted_predicted_loops(params, SMALL, held_out, policies.FLASHLOOP, settings) == {}
+    config = policies.policy_config(policy, SMALL, 2, 140, predicted=predicted)
+    assert config.loops[3] == predicted[3][0] and config.loops[2] == predicted[2][0]
+    with pytest.raises(ValueError, match=r"loops \[2\] are not predicted"):
+        policies.policy_config(policy, SMALL, 2, 140, predicted={1: predicted[2]})
+    with pytest.raises(ValueError, match="needs a prediction fitted to it"):
+        policies.policy_config(policy, SMALL, 2, 140, predicted={3: predicted[3]})
+
+
+def test_a_predicted_loops_residual_codecs_are_fitted_to_it_and_the_loops_after_refitted():
+    params = ouro.init_params(SMALL, jax.random.PRNGKey(0))
+    held_out = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4000).astype(np.uint8)
+    settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,), query_positions=4)
+    fitted = policies.fitted_predicted_loops(params, SMALL, held_out, ("int4", "pred fit3.5", "int4 7", "pred"),
+                                             settings)
+    plain = policies.fitted_predicted_loops(params, SMALL, held_out, ("int4", "pred int4", "int4 7", "pred"),
+                                            settings)
+    loop = fitted[1][0]
+    assert loop.key_spec.format == "int_mixed" and loop.value_spec.format == "int4_scaled" and not loop.is_sparse
+    assert loop.key_spec.bits_per_element() == 4.0  # a mean of 3.5 bits and INT4's per-group metadata
+    assert loop.prediction == plain[1][0].prediction  # loop 2's map predicts from loop 1, whatever loop 2 stores
+    assert fitted[3][0].prediction != plain[3][0].prediction  # loop 4's is refitted to the fitted loop 2's chain

@@ -15,13 +15,14 @@ a sparse residual of ``rows`` rows per 64-token page (codecs per token:
 channel when dense; ``int2`` is INT2 Lloyd-Max, ``int2a`` the affine INT2 G64,
 the ``"int2"`` format; ``fit`` and ``fit3.5``: the codecs fitted to each layer and loop on calibration windows,
 ``int_mixed`` keys at a mean width of 4, 3.5 or 3 bits and ``int4_scaled`` values, :mod:`jflashloop.fitting`, for the
-base and direct loops only); ``"direct <codec>"`` is a dense loop stored on its own rather
+base and direct loops, or fitted to a predicted loop's residual: ``"pred fit3.5"``); ``"direct <codec>"`` is a dense loop stored on its own rather
 than as a residual against the loop before it (``LoopStorage.direct``), and
 ``"direct <codec> @a-b"`` only in layers ``a..b`` (1-based; the other layers
 store that loop as a residual: per-layer policies, ``CacheConfig.layer_loops``); ``"pred"`` is a loop predicted
 from the loop before it with no rows (``LoopStorage.prediction``, a map fitted to each layer on the calibration
-windows: :func:`fitted_predictions`), ``"pred <codec> <rows>"`` one with sparse rows against the prediction and
-``"pred <codec>"`` one with a dense residual against it.
+windows: :func:`fitted_predicted_loops`), ``"pred <codec> <rows>"`` one with sparse rows against the prediction and
+``"pred <codec>"`` one with a dense residual against it (``"pred fit"``, ``"pred fit3.5"``...: in codecs fitted to that
+residual, :func:`jflashloop.fitting.fit_residual_codecs`).
 :func:`loop_storage` reads one entry. The
 tables count loops as the report does (loops run: loop 1 is the base).
 """
@@ -71,7 +72,7 @@ FITTED_CODECS = {"fit": 4.0, "fit3.5": 3.5, "fit3": 3.0}
 CALIBRATION_SEED = 100
 """The held-out windows the fitted codecs and predictions are fitted on (the measured seeds are 0, 1, 2)."""
 PREDICTED = "pred"
-"""A loop predicted from the loop before it (``LoopStorage.prediction``, fitted per layer: :func:`fitted_predictions`)."""
+"""A loop predicted from the loop before it (``LoopStorage.prediction``, fitted per layer: :func:`fitted_predicted_loops`)."""
 
 POLICIES: dict[str, tuple[str, ...]] = {
     "flashloop": FLASHLOOP,
@@ -133,6 +134,11 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "fitted, predicted int3/int4 loop 2, predicted loops 3-4": ("fit", "pred int3/int4", "pred", "pred"),
     "fitted 3.5 base, predicted int4 loop 2, predicted loops 3-4": ("fit3.5", "pred int4", "pred", "pred"),
     "fitted 3.5 base, predicted int4/int3 loop 2, predicted loops 3-4": ("fit3.5", "pred int4/int3", "pred", "pred"),
+    "fitted, predicted fitted loop 2, predicted loops 3-4": ("fit", "pred fit", "pred", "pred"),
+    "fitted, predicted fitted 3.5 loop 2, predicted loops 3-4": ("fit", "pred fit3.5", "pred", "pred"),
+    "fitted 3.5, predicted fitted 3.5 loop 2, predicted loops 3-4": ("fit3.5", "pred fit3.5", "pred", "pred"),
+    "fitted 3.5, predicted fitted 3 loop 2, predicted loops 3-4": ("fit3.5", "pred fit3", "pred", "pred"),
+    "fitted, predicted fitted 3 loop 2, predicted loops 3-4": ("fit", "pred fit3", "pred", "pred"),
 }
 
 
@@ -160,15 +166,19 @@ def loop_storage(entry: str, head_dim: int, fitted: dict | None = None, *, layer
     ``"direct codec"`` (dense, stored on its own) or ``"pred"`` / ``"pred codec rows"`` / ``"pred codec"``
     (predicted from the loop before with ``prediction``: no rows, sparse rows or a dense residual against it); a
     fitted codec (:data:`FITTED_CODECS`) takes
-    layer ``layer``'s specs of loop ``loop`` from ``fitted`` (:func:`fitted_specs`)."""
+    layer ``layer``'s specs of loop ``loop`` from ``fitted`` (:func:`fitted_specs`). A predicted loop with a fitted
+    residual (``"pred fit3.5"``) comes out with INT4 codecs in their place, for
+    :func:`jflashloop.fitting.fit_residual_codecs` to replace (:func:`fitted_predicted_loops`)."""
     if _predicted(entry):
         if prediction is None:
-            raise ValueError(f"{entry!r} in loop {loop + 1} needs a prediction fitted to it (fitted_predictions)")
+            raise ValueError(f"{entry!r} in loop {loop + 1} needs a prediction fitted to it (fitted_predicted_loops)")
         rest = entry.removeprefix(PREDICTED).strip()
+        if rest in FITTED_CODECS:
+            return LoopStorage(INT4_KEYS, INT4_VALUES, prediction=prediction)
         storage = loop_storage(rest, head_dim, fitted, layer=layer, loop=loop) if rest else LoopStorage(
             INT4_VALUES, INT4_VALUES, 0)
-        if storage.direct or rest in FITTED_CODECS:
-            raise ValueError(f"a predicted loop is a residual in plain codecs, got {entry!r}")
+        if storage.direct:
+            raise ValueError(f"a predicted loop is a residual against its prediction, got {entry!r}")
         return dataclasses.replace(storage, prediction=prediction)
     direct = entry.startswith("direct ")
     if direct:
@@ -203,16 +213,24 @@ def _entry_in_layer(entry: str, layer: int) -> str:
 
 def policy_config(policy: tuple[str, ...], model: ouro.OuroConfig, sequences: int, max_tokens: int,
                   recent_tokens: int | None = RECENT_TOKENS, fitted: dict | None = None,
-                  predictions: dict | None = None) -> CacheConfig:
+                  predicted: dict | None = None) -> CacheConfig:
     """A cache for ``model`` storing its loops as ``policy`` (4 sink tokens, ``recent_tokens`` recent
     ones, 64-token pages; per-layer loops where an entry names layers or a codec is fitted, ``fitted`` holding
-    those codecs: :func:`fitted_specs`; ``predictions``: ``{loop: [LoopPrediction per layer]}`` of the predicted
-    loops, :func:`fitted_predictions`)."""
+    those codecs: :func:`fitted_specs`; ``predicted``: ``{loop: [LoopStorage per layer]}``, the fitted storage of
+    every predicted loop, :func:`fitted_predicted_loops`).
+
+    Raises:
+      ValueError: a ``"pred ..."`` entry without its loop in ``predicted``, or a loop in ``predicted`` whose entry
+        is not predicted.
+    """
     pages = math.ceil(max_tokens / PAGE_SIZE)
-    predictions = predictions or {}
-    per_layer = tuple(tuple(loop_storage(_entry_in_layer(entry, layer), model.head_dim, fitted, layer=layer,
-                                         loop=loop, prediction=predictions[loop][layer] if loop in predictions
-                                         else None) for loop, entry in enumerate(policy))
+    predicted = predicted or {}
+    stray = [loop for loop in predicted if not _predicted(policy[loop])]
+    if stray:
+        raise ValueError(f"loops {[loop + 1 for loop in stray]} are not predicted in {policy}")
+    per_layer = tuple(tuple(predicted[loop][layer] if loop in predicted else
+                            loop_storage(_entry_in_layer(entry, layer), model.head_dim, fitted, layer=layer, loop=loop)
+                            for loop, entry in enumerate(policy))
                       for layer in range(model.layers))
     return CacheConfig(num_layers=model.layers, num_kv_heads=model.kv_heads, head_dim=model.head_dim,
                        num_pages=sequences * pages, max_sequences=sequences, max_pages_per_sequence=pages,
@@ -261,21 +279,35 @@ def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies,
     return fitted
 
 
-def fitted_predictions(params, model: ouro.OuroConfig, held_out: np.ndarray, policy: tuple[str, ...],
-                       settings: SweepSettings, fitted: dict | None = None, seed: int = CALIBRATION_SEED) -> dict:
-    """``{loop: [LoopPrediction per layer]}`` for the predicted loops of ``policy`` (``"pred ..."`` entries):
-    :func:`jflashloop.fitting.fit_predicted_loops` of the policy's cache on ``settings.sequences`` held-out
-    windows of ``seed`` (each predicted loop from the loop before as that cache reconstructs it)."""
+def fitted_predicted_loops(params, model: ouro.OuroConfig, held_out: np.ndarray, policy: tuple[str, ...],
+                           settings: SweepSettings, fitted: dict | None = None, seed: int = CALIBRATION_SEED) -> dict:
+    """``{loop: [LoopStorage per layer]}``: the fitted storage of every predicted loop of ``policy`` (``"pred ..."``
+    entries), for :func:`policy_config`'s ``predicted``.
+
+    On ``settings.sequences`` held-out windows of ``seed``, through the policy's own cache: the maps by
+    :func:`jflashloop.fitting.fit_predicted_loops` (each predicted loop from the loop before as that cache
+    reconstructs it); then, loop by loop, the codecs of a fitted residual (``"pred fit3.5"``) by
+    :func:`jflashloop.fitting.fit_residual_codecs` (with the model's queries at the last 32 positions), and the
+    maps of the loops after it again (they predict from its reconstruction)."""
     loops = [loop for loop, entry in enumerate(policy) if _predicted(entry)]
     if not loops:
         return {}
     token_ids = jnp.asarray(held_out_windows(held_out, settings.sequences, settings.tokens, seed))
     _, keys, values, _ = _forward(params, model, token_ids)  # [loops, layers, windows, T, H, D]
-    identity = [LoopPrediction.identity(model.kv_heads, model.head_dim)] * model.layers
-    config = policy_config(policy, model, settings.sequences, settings.tokens, fitted=fitted,
-                           predictions=dict.fromkeys(loops, identity))
-    config = fitting.fit_predicted_loops(config, *(np.asarray(x).transpose(2, 1, 0, 3, 4, 5) for x in (keys, values)))
-    return {loop: [config.layer(layer).loops[loop].prediction for layer in range(model.layers)] for loop in loops}
+    keys, values = (np.asarray(x).transpose(2, 1, 0, 3, 4, 5) for x in (keys, values))
+    identity = LoopPrediction.identity(model.kv_heads, model.head_dim)
+    placeholders = {loop: [loop_storage(policy[loop], model.head_dim, prediction=identity)] * model.layers
+                    for loop in loops}
+    config = fitting.fit_predicted_loops(policy_config(policy, model, settings.sequences, settings.tokens,
+                                                       fitted=fitted, predicted=placeholders), keys, values)
+    residuals = [loop for loop in loops if policy[loop].removeprefix(PREDICTED).strip() in FITTED_CODECS]
+    if residuals:
+        queries = np.asarray(model_queries(params, model, token_ids, 32)).transpose(2, 1, 0, 3, 4, 5)
+    for loop in residuals:
+        bits = FITTED_CODECS[policy[loop].removeprefix(PREDICTED).strip()]
+        config = fitting.fit_residual_codecs(config, keys, values, queries, loop=loop, mean_bits=bits)
+        config = fitting.fit_predicted_loops(config, keys, values)
+    return {loop: [config.layer(layer).loops[loop] for layer in range(model.layers)] for loop in loops}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,10 +338,10 @@ def reference_run(params, model: ouro.OuroConfig, held_out: np.ndarray, settings
 
 
 def measure(params, model: ouro.OuroConfig, policy: tuple[str, ...], reference: dict[str, Any],
-            settings: SweepSettings, fitted: dict | None = None, predictions: dict | None = None
+            settings: SweepSettings, fitted: dict | None = None, predicted: dict | None = None
             ) -> dict[str, np.ndarray]:
     """``kl`` float64 ``[sequences]`` (mean over teacher-forced steps) and ``attention`` ``[loops]`` (mean over layers)."""
-    config = policy_config(policy, model, settings.sequences, settings.tokens, fitted=fitted, predictions=predictions)
+    config = policy_config(policy, model, settings.sequences, settings.tokens, fitted=fitted, predicted=predicted)
     prompt = settings.prompt_tokens
     keys, values = reference["keys"][:, :, :, :prompt], reference["values"][:, :, :, :prompt]
     cache = prefill_cross_loop_cache(config, keys, values)
@@ -343,12 +375,12 @@ def sweep(params, model: ouro.OuroConfig, held_out: np.ndarray, settings: SweepS
     results = {name: {"kl": [], "attention": []} for name in policies}
     start = time.perf_counter()
     fitted = fitted_specs(params, model, held_out, policies.values(), settings)
-    predictions = {name: fitted_predictions(params, model, held_out, policy, settings, fitted)
+    predicted = {name: fitted_predicted_loops(params, model, held_out, policy, settings, fitted)
                    for name, policy in policies.items()}
     for seed in settings.seeds:
         reference = reference_run(params, model, held_out, settings, seed)
         for name, policy in policies.items():
-            measured = measure(params, model, policy, reference, settings, fitted, predictions[name])
+            measured = measure(params, model, policy, reference, settings, fitted, predicted[name])
             results[name]["kl"].append(measured["kl"])
             results[name]["attention"].append(measured["attention"])
             log(f"seed {seed} {name}: KL {measured['kl'].mean():.3e} attention "
@@ -356,7 +388,7 @@ def sweep(params, model: ouro.OuroConfig, held_out: np.ndarray, settings: SweepS
                 + f" ({time.perf_counter() - start:.0f} s)")
     for name, policy in policies.items():
         per_token, ratio = bytes_per_token(policy_config(policy, model, 1, PAGE_SIZE, fitted=fitted,
-                                                         predictions=predictions[name]))
+                                                         predicted=predicted[name]))
         results[name] = {"policy": policy, "kl": np.array(results[name]["kl"]),
                          "attention": np.array(results[name]["attention"]),
                          "bytes_per_token": per_token, "ratio": ratio}
