@@ -532,6 +532,12 @@ BAD_INPUTS = [
                                max_pages_per_sequence=2, num_loops=3),
          *np.ones((2, 1, 1, 3, 8, 1, 16)), np.ones((1, 1, 3, 2, 1, 16)), loop=2),
      ValueError, "loop 2 stores sparse rows; fitted codecs are dense"),
+    ("fitting.fitted_loops: fewer than two loops",
+     lambda: jflashloop.fitting.fitted_loops(*np.ones((3, 1, 1, 1, 8, 1, 16)), num_pages=4, max_sequences=1,
+                                             max_pages_per_sequence=2),
+     ValueError, "keys and values must be \\[sequences, layers, loops >= 2, tokens, kv_heads, head_dim\\] of one "
+                 "shape and queries \\[sequences, layers, loops, query_tokens, q_heads, head_dim\\], got "
+                 "\\(1, 1, 1, 8, 1, 16\\), \\(1, 1, 1, 8, 1, 16\\), \\(1, 1, 1, 8, 1, 16\\)"),
     ("sharding.local_config: a prediction fitted per kv head split over the model axis",
      lambda: jflashloop.sharding.local_config(
          CacheConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_pages=4, max_sequences=1,

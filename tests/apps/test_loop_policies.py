@@ -208,3 +208,37 @@ def test_a_predicted_loops_residual_codecs_are_fitted_to_it_and_the_loops_after_
     assert loop.key_spec.bits_per_element() == 4.0  # a mean of 3.5 bits and INT4's per-group metadata
     assert loop.prediction == plain[1][0].prediction  # loop 2's map predicts from loop 1, whatever loop 2 stores
     assert fitted[3][0].prediction != plain[3][0].prediction  # loop 4's is refitted to the fitted loop 2's chain
+
+
+def test_the_fitted_loops_preset_is_the_sweeps_fitted_policy():
+    """``fitting.fitted_loops`` on the calibration windows makes exactly the cache of the sweep's ``fit3.5 · pred
+    fit3.5 · pred · pred`` policy (the fitted base, loop 2's map and residual codecs, then loops 3-4's maps)."""
+    from jflashloop import fitting
+    from jflashloop.apps.loops.runner import (
+        RECENT_TOKENS,
+        _forward,
+        held_out_windows,
+        model_queries,
+    )
+
+    params = ouro.init_params(SMALL, jax.random.PRNGKey(0))
+    held_out = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4000).astype(np.uint8)
+    settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,), query_positions=4)
+    policy = ("fit3.5", "pred fit3.5", "pred", "pred")
+    fitted = policies.fitted_specs(params, SMALL, held_out, [policy], settings)
+    predicted = policies.fitted_predicted_loops(params, SMALL, held_out, policy, settings, fitted)
+    swept = policies.policy_config(policy, SMALL, 2, 140, fitted=fitted, predicted=predicted)
+    token_ids = jax.numpy.asarray(held_out_windows(held_out, 2, 140, policies.CALIBRATION_SEED))
+    _, keys, values, _ = _forward(params, SMALL, token_ids)
+    queries = model_queries(params, SMALL, token_ids, 32)
+    preset = fitting.fitted_loops(*(np.asarray(x).transpose(2, 1, 0, 3, 4, 5) for x in (keys, values, queries)),
+                                  num_pages=swept.num_pages, max_sequences=2,
+                                  max_pages_per_sequence=swept.max_pages_per_sequence, recent_tokens=RECENT_TOKENS)
+    assert preset == swept
+    loops_ = preset.layer(0).loops
+    assert [loop.key_spec.format for loop in loops_[:2]] == ["int_mixed"] * 2
+    assert [loop.prediction is not None for loop in loops_] == [False, True, True, True]
+    assert loops_[2].sparse_rows_per_page == 0 == loops_[3].sparse_rows_per_page
+    with pytest.raises(ValueError, match="loops >= 2"):
+        fitting.fitted_loops(*(np.asarray(x).transpose(2, 1, 0, 3, 4, 5)[:, :, :1] for x in (keys, values, queries)),
+                             num_pages=4, max_sequences=1, max_pages_per_sequence=4)
