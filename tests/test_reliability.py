@@ -516,8 +516,8 @@ BAD_INPUTS = [
              loops=(LoopStorage(), LoopStorage(jflashloop.INT4_VALUES, jflashloop.INT4_VALUES, 4,
                                                prediction=jflashloop.LoopPrediction.identity(1, 16))))),
          0, 1, implementation="pallas", interpret=True),
-     NotImplementedError, "the fused kernels do not read a predicted loop that stores rows "
-                          "\\(LoopStorage.prediction with sparse_rows_per_page > 0\\)"),
+     NotImplementedError, "the fused kernels do not read a predicted loop that stores rows or a dense residual "
+                          "\\(LoopStorage.prediction with sparse_rows_per_page other than 0\\)"),
     ("fitting.fit_predicted_loops: arrays of another shape than the config's",
      lambda: jflashloop.fitting.fit_predicted_loops(
          CacheConfig.predicted_loops(predictions=[[jflashloop.LoopPrediction.identity(1, 16)]], num_layers=1,

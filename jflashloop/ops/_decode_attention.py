@@ -185,15 +185,15 @@ def kernel_plan(config: CacheConfig, loop: int) -> KernelPlan:
         INT3, dense affine INT2: :data:`FUSED_FORMATS`, and affine INT2 as
         sparse rows, :data:`ROW_FORMATS`), a chain not in one basis (either no
         stream is rotated, or every K (or V) stream is ``int4_rotated`` with one seed),
-        a predicted loop (:attr:`~jflashloop.LoopStorage.prediction`) that stores rows,
+        a predicted loop (:attr:`~jflashloop.LoopStorage.prediction`) that stores rows or a dense residual,
         sits on rotated streams or has a map of condition number above :data:`MAX_CONDITION`
         (a predicted loop with no rows is read through its source: :func:`predicted_source`).
     """
     requested = loop
     loop, prediction = predicted_source(config, loop)
     if any(config.loops[i].prediction is not None for i in range(config.chain_start(loop), loop + 1)):
-        raise NotImplementedError("the fused kernels do not read a predicted loop that stores rows "
-                                  "(LoopStorage.prediction with sparse_rows_per_page > 0)")
+        raise NotImplementedError("the fused kernels do not read a predicted loop that stores rows or a dense "
+                                  "residual (LoopStorage.prediction with sparse_rows_per_page other than 0)")
     if prediction is not None and not _well_conditioned(prediction):
         raise NotImplementedError(f"loop {requested}'s prediction is too ill-conditioned to move its windows into "
                                   f"loop {loop}'s basis (condition number above {MAX_CONDITION:g})")
