@@ -214,8 +214,8 @@ def fit_predicted_loops(config: CacheConfig, keys, values) -> CacheConfig:
     return config.with_layer_loops(layer_loops)
 
 
-def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int, mean_bits: float = 4.0
-                        ) -> CacheConfig:
+def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int, mean_bits: float = 4.0,
+                        value_spec: CodecSpec | None = None, layers=None) -> CacheConfig:
     """``config`` with loop ``loop``'s dense residual stored in codecs fitted to that residual, layer by layer.
 
     A residual loop stores ``x - reference``: the loop before as the cache reconstructs it, or its
@@ -232,12 +232,15 @@ def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int
         (any positions: :func:`key_channel_weights`).
       loop: the residual loop (0-based; the base is coded on its own: :func:`fitted_policy`).
       mean_bits: the keys' mean width (``mean_bits * head_dim`` a multiple of 32).
+      value_spec: the values' codec; None (default): :func:`fitted_values` of the residual.
+      layers: the layers to fit (0-based; default every layer); the others keep their storage.
     Returns:
       ``config`` with per-layer loops (``layer_loops``) whose loop ``loop`` stores fitted codecs.
     Raises:
       ValueError: arrays of another shape than the config's, ``loop`` out of range, a loop with sparse rows, or too
         few page positions for a key group.
     """
+    chosen_layers = layers
     keys, values = _calibration_tensors(config, keys, values)
     queries = np.asarray(queries, np.float32)
     sequences, layers, loops = keys.shape[:3]
@@ -246,11 +249,14 @@ def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int
                          f"head_dim={config.head_dim}], got {queries.shape}")
     if not 1 <= loop < loops:
         raise ValueError(f"loop must be a residual loop, 1 <= loop < {loops}, got {loop}")
+    chosen = range(layers) if chosen_layers is None else sorted(set(int(layer) for layer in chosen_layers))
+    if any(not 0 <= layer < layers for layer in chosen):
+        raise ValueError(f"layers must be in [0, {layers}), got {list(chosen_layers)}")
     layer_loops = [list(config.layer(layer).loops) for layer in range(layers)]
-    if any(layer_loops[layer][loop].is_sparse for layer in range(layers)):
+    if any(layer_loops[layer][loop].is_sparse for layer in chosen):
         raise ValueError(f"loop {loop} stores sparse rows; fitted codecs are dense")
     calibration = _CalibrationCache.of(config, keys, values)
-    for layer in range(layers):
+    for layer in chosen:
         storage = layer_loops[layer][loop]
         exact = calibration.exact(layer, loop)
         if storage.direct:
@@ -263,7 +269,7 @@ def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int
         layer_loops[layer][loop] = dataclasses.replace(
             storage, key_spec=fitted_keys(residual[0], layer_queries, mean_bits, group_size=config.page_size,
                                           sink_tokens=0),
-            value_spec=fitted_values(residual[1], sink_tokens=0))
+            value_spec=fitted_values(residual[1], sink_tokens=0) if value_spec is None else value_spec)
     return config.with_layer_loops(layer_loops)
 
 

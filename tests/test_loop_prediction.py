@@ -332,6 +332,23 @@ def test_fit_residual_codecs_fits_what_the_loop_stores(rng, kind):
         fitting.fit_residual_codecs(config, keys, values, queries[:, :1], loop=1)
 
 
+def test_fit_residual_codecs_of_some_layers_with_given_values(rng):
+    """``layers`` fits only those layers (the others keep their storage); ``value_spec`` takes the values' codec
+    as given and fits only the keys."""
+    config = small_config(num_pages=24, max_sequences=3, max_pages_per_sequence=8)
+    keys, values = (rng.standard_normal((3, 2, 4, 96, HEADS, HEAD_DIM)).astype(np.float32) for _ in range(2))
+    queries = rng.standard_normal((3, 2, 4, 8, HEADS, HEAD_DIM)).astype(np.float32)
+    plain = jflashloop.CodecSpec("int4", "token", HEAD_DIM)
+    fitted = fitting.fit_residual_codecs(config, keys, values, queries, loop=1, layers=[1], value_spec=plain)
+    assert fitted.layer(0).loops == config.loops
+    loop = fitted.layer(1).loops[1]
+    assert loop.key_spec.format == "int_mixed" and loop.value_spec == plain
+    assert fitted.layer(1).loops[1].key_spec == fitting.fit_residual_codecs(
+        config, keys, values, queries, loop=1).layer(1).loops[1].key_spec
+    with pytest.raises(ValueError, match=r"layers must be in \[0, 2\)"):
+        fitting.fit_residual_codecs(config, keys, values, queries, loop=1, layers=[2])
+
+
 def test_fit_predicted_loops_fits_each_loop_from_the_reconstruction_before_it(rng):
     """On K/V whose later loops are exact affine maps of the loop before, the fitted maps recover them and a
     predicted loop with no rows is then as close as its source's coding allows."""

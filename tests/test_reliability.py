@@ -532,6 +532,12 @@ BAD_INPUTS = [
                                max_pages_per_sequence=2, num_loops=3),
          *np.ones((2, 1, 1, 3, 8, 1, 16)), np.ones((1, 1, 3, 2, 1, 16)), loop=2),
      ValueError, "loop 2 stores sparse rows; fitted codecs are dense"),
+    ("fitting.fit_residual_codecs: a layer out of range",
+     lambda: jflashloop.fitting.fit_residual_codecs(
+         CacheConfig.flashloop(num_layers=1, num_kv_heads=1, head_dim=16, num_pages=4, max_sequences=1,
+                               max_pages_per_sequence=2, num_loops=3),
+         *np.ones((2, 1, 1, 3, 8, 1, 16)), np.ones((1, 1, 3, 2, 1, 16)), loop=1, layers=[1]),
+     ValueError, "layers must be in \\[0, 1\\), got \\[1\\]"),
     ("fitting.fitted_loops: fewer than two loops",
      lambda: jflashloop.fitting.fitted_loops(*np.ones((3, 1, 1, 1, 8, 1, 16)), num_pages=4, max_sequences=1,
                                              max_pages_per_sequence=2),

@@ -87,7 +87,8 @@ def placeholder_fitted(policy) -> dict:
     """Fitted codecs of the right shapes for ``policy``'s fitted loops (widths alternating about the mean, unit
     divisors), as :func:`policies.fitted_specs` returns them."""
     fitted = {}
-    for loop, entry in enumerate(policy):
+    for loop, entry in ((loop, text) for loop, entries in enumerate(policy)
+                        for text in ((entries,) if isinstance(entries, str) else entries)):
         codec = entry.removeprefix("direct ")
         if codec in policies.FITTED_CODECS:
             mean = policies.FITTED_CODECS[codec]
@@ -101,8 +102,9 @@ def placeholder_fitted(policy) -> dict:
 def placeholder_predicted(policy, model=TINY) -> dict:
     """Identity predictions for ``policy``'s predicted loops, as :func:`policies.fitted_predicted_loops` returns them."""
     identity = LoopPrediction.identity(model.kv_heads, model.head_dim)
-    return {loop: [policies.loop_storage(entry, model.head_dim, prediction=identity)] * model.layers
-            for loop, entry in enumerate(policy) if entry.startswith("pred")}
+    return {loop: [policies.loop_storage(entry if isinstance(entry, str) else entry[layer], model.head_dim,
+                                         prediction=identity) for layer in range(model.layers)]
+            for loop, entry in enumerate(policy) if policies._predicted(entry)}
 
 
 @pytest.mark.parametrize("name", sorted(policies.POLICIES))
@@ -177,6 +179,13 @@ def test_predicted_loops_are_fitted_in_order_from_the_reconstruction_before_them
         policies.loop_storage("pred direct int4", 64, prediction=identity)
     assert policies.loop_storage("pred fit3.5", 64, prediction=identity) == LoopStorage(INT4_KEYS, INT4_VALUES,
                                                                                      prediction=identity)
+    assert policies.loop_storage("pred fit3/int3", 64, prediction=identity) == LoopStorage(
+        INT4_KEYS, CodecSpec("int3", "token", 64), prediction=identity)
+    with pytest.raises(ValueError, match="predicted in every layer or in none"):
+        policies.policy_config(("int4", ("pred",) + ("int4",) * (TINY.layers - 1)), TINY, 1, 64)
+    with pytest.raises(ValueError, match=r"one entry per layer \(1\)"):
+        policies.policy_config(("int4", ("int4", "int4")), SMALL, 1, 64)
+    assert policies.describe_policy(("int4", ("fit", "fit3"))) == "int4 · [fit, fit3]"
     params = ouro.init_params(SMALL, jax.random.PRNGKey(0))
     held_out = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4000).astype(np.uint8)
     settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,), query_positions=4)
@@ -205,6 +214,10 @@ def test_a_predicted_loops_residual_codecs_are_fitted_to_it_and_the_loops_after_
                                             settings)
     loop = fitted[1][0]
     assert loop.key_spec.format == "int_mixed" and loop.value_spec.format == "int4_scaled" and not loop.is_sparse
+    int3 = policies.fitted_predicted_loops(params, SMALL, held_out, ("int4", "pred fit3/int3", "int4 7", "pred"),
+                                           settings)[1][0]
+    assert int3.key_spec.format == "int_mixed" and int3.value_spec == CodecSpec("int3", "token", 64)
+    assert int3.key_spec.bits_per_element() == 3.5
     assert loop.key_spec.bits_per_element() == 4.0  # a mean of 3.5 bits and INT4's per-group metadata
     assert loop.prediction == plain[1][0].prediction  # loop 2's map predicts from loop 1, whatever loop 2 stores
     assert fitted[3][0].prediction != plain[3][0].prediction  # loop 4's is refitted to the fitted loop 2's chain

@@ -22,8 +22,9 @@ store that loop as a residual: per-layer policies, ``CacheConfig.layer_loops``);
 from the loop before it with no rows (``LoopStorage.prediction``, a map fitted to each layer on the calibration
 windows: :func:`fitted_predicted_loops`), ``"pred <codec> <rows>"`` one with sparse rows against the prediction and
 ``"pred <codec>"`` one with a dense residual against it (``"pred fit"``, ``"pred fit3.5"``...: in codecs fitted to that
-residual, :func:`jflashloop.fitting.fit_residual_codecs`).
-:func:`loop_storage` reads one entry. The
+residual, :func:`jflashloop.fitting.fit_residual_codecs`; ``"pred fit3/int3"``: fitted keys, INT3 values).
+An entry may also be a tuple of one such string per layer (a per-layer policy, e.g. one chosen on
+calibration windows by ``bench/loop2_allocation_probe.py``). :func:`loop_storage` reads one entry. The
 tables count loops as the report does (loops run: loop 1 is the base).
 """
 
@@ -59,6 +60,9 @@ from .runner import (
     reconstruct_every_loop,
 )
 
+Entry = str | tuple[str, ...]
+"""One loop's storage in a policy: one entry, or one per layer (layer 1 first)."""
+
 FLASHLOOP = ("int4", "int4", "int4 16", "int4 7")
 """FlashLoop's policy at 64-token pages: INT4 base, dense INT4 residual, sparse INT4 rows for 25 % and
 10 % of each page (rounded up)."""
@@ -74,7 +78,7 @@ CALIBRATION_SEED = 100
 PREDICTED = "pred"
 """A loop predicted from the loop before it (``LoopStorage.prediction``, fitted per layer: :func:`fitted_predicted_loops`)."""
 
-POLICIES: dict[str, tuple[str, ...]] = {
+POLICIES: dict[str, tuple[Entry, ...]] = {
     "flashloop": FLASHLOOP,
     "compact loops": COMPACT_LOOPS,
     "flashloop, nvfp4 rows": ("int4", "int4", "nvfp4 16", "nvfp4 7"),
@@ -139,6 +143,13 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "fitted 3.5, predicted fitted 3.5 loop 2, predicted loops 3-4": ("fit3.5", "pred fit3.5", "pred", "pred"),
     "fitted 3.5, predicted fitted 3 loop 2, predicted loops 3-4": ("fit3.5", "pred fit3", "pred", "pred"),
     "fitted, predicted fitted 3 loop 2, predicted loops 3-4": ("fit", "pred fit3", "pred", "pred"),
+    # per layer, as bench/loop2_allocation_probe.py chose them on the calibration windows for 2,112 and 2,048 bytes
+    "allocated 7.76x, predicted loops 3-4": (("fit", "fit3.5", "fit3.5", "fit3.5"),
+                                             ("pred fit", "pred fit3/int3", "pred fit3.5", "pred fit3/int3"),
+                                             "pred", "pred"),
+    "allocated 8x, predicted loops 3-4": (("fit", "fit3.5", "fit3.5", "fit3.5"),
+                                          ("pred fit3.5", "pred fit3/int3", "pred fit3/int3", "pred fit3/int3"),
+                                          "pred", "pred"),
 }
 
 
@@ -156,8 +167,21 @@ def _spec(codec: str, dense_key: bool, head_dim: int) -> CodecSpec:
     raise ValueError(f"unknown residual codec {codec!r} (int4, int3, nvfp4, int2 or int2a)")
 
 
-def _predicted(entry: str) -> bool:
+def _predicted(entry: str | tuple[str, ...]) -> bool:
+    """Whether ``entry`` (one string, or one per layer: predicted in every layer or in none) is predicted."""
+    if not isinstance(entry, str):
+        kinds = {_predicted(layer_entry) for layer_entry in entry}
+        if len(kinds) != 1:
+            raise ValueError(f"a loop is predicted in every layer or in none, got {entry!r}")
+        return kinds.pop()
     return entry == PREDICTED or entry.startswith(PREDICTED + " ")
+
+
+def _residual_codecs(entry: str) -> tuple[str, str] | None:
+    """``(key codec, value codec)`` of a predicted loop whose residual is in fitted codecs (``"pred fit3.5"``:
+    ``("fit3.5", "fit")``; ``"pred fit3/int3"``: fitted keys, INT3 values), else None."""
+    key, _, value = entry.removeprefix(PREDICTED).strip().partition("/")
+    return (key, value or "fit") if _predicted(entry) and key in FITTED_CODECS else None
 
 
 def loop_storage(entry: str, head_dim: int, fitted: dict | None = None, *, layer: int = 0, loop: int = 0,
@@ -167,14 +191,16 @@ def loop_storage(entry: str, head_dim: int, fitted: dict | None = None, *, layer
     (predicted from the loop before with ``prediction``: no rows, sparse rows or a dense residual against it); a
     fitted codec (:data:`FITTED_CODECS`) takes
     layer ``layer``'s specs of loop ``loop`` from ``fitted`` (:func:`fitted_specs`). A predicted loop with a fitted
-    residual (``"pred fit3.5"``) comes out with INT4 codecs in their place, for
-    :func:`jflashloop.fitting.fit_residual_codecs` to replace (:func:`fitted_predicted_loops`)."""
+    residual (``"pred fit3.5"``, or ``"pred fit3/int3"`` with plain INT3 values) comes out with INT4 codecs in the
+    fitted ones' place, for :func:`jflashloop.fitting.fit_residual_codecs` to replace (:func:`fitted_predicted_loops`)."""
     if _predicted(entry):
         if prediction is None:
             raise ValueError(f"{entry!r} in loop {loop + 1} needs a prediction fitted to it (fitted_predicted_loops)")
         rest = entry.removeprefix(PREDICTED).strip()
-        if rest in FITTED_CODECS:
-            return LoopStorage(INT4_KEYS, INT4_VALUES, prediction=prediction)
+        codecs = _residual_codecs(entry)
+        if codecs is not None:
+            values = INT4_VALUES if codecs[1] == "fit" else _spec(codecs[1], False, head_dim)
+            return LoopStorage(INT4_KEYS, values, prediction=prediction)
         storage = loop_storage(rest, head_dim, fitted, layer=layer, loop=loop) if rest else LoopStorage(
             INT4_VALUES, INT4_VALUES, 0)
         if storage.direct:
@@ -198,9 +224,11 @@ def loop_storage(entry: str, head_dim: int, fitted: dict | None = None, *, layer
                        int(rows) if sparse else None)
 
 
-def _entry_in_layer(entry: str, layer: int) -> str:
-    """``entry`` as layer ``layer`` (0-based) stores it: ``"direct <codec> @a-b"`` is ``"direct <codec>"`` in
-    layers ``a..b`` (1-based) and ``"<codec>"`` elsewhere."""
+def _entry_in_layer(entry: str | tuple[str, ...], layer: int) -> str:
+    """``entry`` as layer ``layer`` (0-based) stores it: a tuple holds one entry per layer; ``"direct <codec> @a-b"``
+    is ``"direct <codec>"`` in layers ``a..b`` (1-based) and ``"<codec>"`` elsewhere."""
+    if not isinstance(entry, str):
+        return entry[layer]
     text, at, layers = entry.partition(" @")
     if not at:
         return entry
@@ -211,7 +239,7 @@ def _entry_in_layer(entry: str, layer: int) -> str:
     return text if inside else text.removeprefix("direct ")
 
 
-def policy_config(policy: tuple[str, ...], model: ouro.OuroConfig, sequences: int, max_tokens: int,
+def policy_config(policy: tuple[Entry, ...], model: ouro.OuroConfig, sequences: int, max_tokens: int,
                   recent_tokens: int | None = RECENT_TOKENS, fitted: dict | None = None,
                   predicted: dict | None = None) -> CacheConfig:
     """A cache for ``model`` storing its loops as ``policy`` (4 sink tokens, ``recent_tokens`` recent
@@ -220,12 +248,16 @@ def policy_config(policy: tuple[str, ...], model: ouro.OuroConfig, sequences: in
     every predicted loop, :func:`fitted_predicted_loops`).
 
     Raises:
-      ValueError: a ``"pred ..."`` entry without its loop in ``predicted``, or a loop in ``predicted`` whose entry
-        is not predicted.
+      ValueError: a ``"pred ..."`` entry without its loop in ``predicted``, a loop in ``predicted`` whose entry
+        is not predicted, or a per-layer entry of another length than the model's layers or predicted in only some.
     """
     pages = math.ceil(max_tokens / PAGE_SIZE)
     predicted = predicted or {}
-    stray = [loop for loop in predicted if not _predicted(policy[loop])]
+    uneven = [entry for entry in policy if not isinstance(entry, str) and len(entry) != model.layers]
+    if uneven:
+        raise ValueError(f"a per-layer entry holds one entry per layer ({model.layers}), got {uneven}")
+    predicted_loops = [loop for loop, entry in enumerate(policy) if _predicted(entry)]  # (checks per-layer entries)
+    stray = [loop for loop in predicted if loop not in predicted_loops]
     if stray:
         raise ValueError(f"loops {[loop + 1 for loop in stray]} are not predicted in {policy}")
     per_layer = tuple(tuple(predicted[loop][layer] if loop in predicted else
@@ -249,7 +281,8 @@ def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies,
     """
     wanted = set()
     for policy in policies:
-        for loop, entry in enumerate(policy):
+        for loop, entry in ((loop, text) for loop, entries in enumerate(policy)
+                            for text in ((entries,) if isinstance(entries, str) else entries)):
             codec = entry.removeprefix("direct ").partition(" @")[0]
             if codec in FITTED_CODECS:
                 if loop and not entry.startswith("direct "):
@@ -279,7 +312,7 @@ def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies,
     return fitted
 
 
-def fitted_predicted_loops(params, model: ouro.OuroConfig, held_out: np.ndarray, policy: tuple[str, ...],
+def fitted_predicted_loops(params, model: ouro.OuroConfig, held_out: np.ndarray, policy: tuple[Entry, ...],
                            settings: SweepSettings, fitted: dict | None = None, seed: int = CALIBRATION_SEED) -> dict:
     """``{loop: [LoopStorage per layer]}``: the fitted storage of every predicted loop of ``policy`` (``"pred ..."``
     entries), for :func:`policy_config`'s ``predicted``.
@@ -296,16 +329,25 @@ def fitted_predicted_loops(params, model: ouro.OuroConfig, held_out: np.ndarray,
     _, keys, values, _ = _forward(params, model, token_ids)  # [loops, layers, windows, T, H, D]
     keys, values = (np.asarray(x).transpose(2, 1, 0, 3, 4, 5) for x in (keys, values))
     identity = LoopPrediction.identity(model.kv_heads, model.head_dim)
-    placeholders = {loop: [loop_storage(policy[loop], model.head_dim, prediction=identity)] * model.layers
-                    for loop in loops}
+    placeholders = {loop: [loop_storage(_entry_in_layer(policy[loop], layer), model.head_dim, prediction=identity)
+                           for layer in range(model.layers)] for loop in loops}
     config = fitting.fit_predicted_loops(policy_config(policy, model, settings.sequences, settings.tokens,
                                                        fitted=fitted, predicted=placeholders), keys, values)
-    residuals = [loop for loop in loops if policy[loop].removeprefix(PREDICTED).strip() in FITTED_CODECS]
-    if residuals:
-        queries = np.asarray(model_queries(params, model, token_ids, 32)).transpose(2, 1, 0, 3, 4, 5)
-    for loop in residuals:
-        bits = FITTED_CODECS[policy[loop].removeprefix(PREDICTED).strip()]
-        config = fitting.fit_residual_codecs(config, keys, values, queries, loop=loop, mean_bits=bits)
+    queries = None
+    for loop in loops:
+        groups: dict[tuple[str, str], list[int]] = {}  # layers by their residual's codecs
+        for layer in range(model.layers):
+            codecs = _residual_codecs(_entry_in_layer(policy[loop], layer))
+            if codecs is not None:
+                groups.setdefault(codecs, []).append(layer)
+        if not groups:
+            continue
+        if queries is None:
+            queries = np.asarray(model_queries(params, model, token_ids, 32)).transpose(2, 1, 0, 3, 4, 5)
+        for (key, value), layers in groups.items():
+            config = fitting.fit_residual_codecs(
+                config, keys, values, queries, loop=loop, mean_bits=FITTED_CODECS[key], layers=layers,
+                value_spec=None if value == "fit" else _spec(value, False, model.head_dim))
         config = fitting.fit_predicted_loops(config, keys, values)
     return {loop: [config.layer(layer).loops[loop] for layer in range(model.layers)] for loop in loops}
 
@@ -337,7 +379,7 @@ def reference_run(params, model: ouro.OuroConfig, held_out: np.ndarray, settings
             "queries": np.asarray(queries)}
 
 
-def measure(params, model: ouro.OuroConfig, policy: tuple[str, ...], reference: dict[str, Any],
+def measure(params, model: ouro.OuroConfig, policy: tuple[Entry, ...], reference: dict[str, Any],
             settings: SweepSettings, fitted: dict | None = None, predicted: dict | None = None
             ) -> dict[str, np.ndarray]:
     """``kl`` float64 ``[sequences]`` (mean over teacher-forced steps) and ``attention`` ``[loops]`` (mean over layers)."""
@@ -395,9 +437,10 @@ def sweep(params, model: ouro.OuroConfig, held_out: np.ndarray, settings: SweepS
     return {"settings": settings, "policies": results, "seconds": time.perf_counter() - start}
 
 
-def describe_policy(policy: tuple[str, ...]) -> str:
-    """``"int4 · int4 · int4 16 · int4 7"``: each loop's storage, loop 1 (the base) first."""
-    return " · ".join(policy)
+def describe_policy(policy: tuple[Entry, ...]) -> str:
+    """``"int4 · int4 · int4 16 · int4 7"``: each loop's storage, loop 1 (the base) first (a per-layer entry as
+    ``[layer 1, layer 2, ...]``)."""
+    return " · ".join(entry if isinstance(entry, str) else f"[{', '.join(entry)}]" for entry in policy)
 
 
 def format_table(results: dict[str, Any], baseline: str = "flashloop") -> str:
