@@ -284,7 +284,7 @@ def fitted_loops(keys, values, queries, *, base_bits: float = 3.5, loop_bits: fl
     (their maps fitted last, from loop 1 as the cache stores it). On the shipped looped checkpoint (``bench/LOOPS.md``,
     "Loop 2's residual in codecs fitted to it"): 2,176 bytes a token, 7.53x less than four BF16 loop caches, with
     0.61x the teacher-forced KL of FlashLoop's policy and less attention error in every loop (the same codecs
-    chosen per layer, :func:`fit_residual_codecs` with ``layers``, reach 7.76x there). The fused kernels do
+    chosen per layer, :func:`fit_residual_codecs` with ``layers``, reach 7.88x there). The fused kernels do
     not read fitted codecs (the reference path reads this cache); :meth:`CacheConfig.predicted_loops` is the fused
     layout (7.11x).
 

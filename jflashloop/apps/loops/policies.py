@@ -14,7 +14,7 @@ a sparse residual of ``rows`` rows per 64-token page (codecs per token:
 ``int4``, ``int3``, ``nvfp4``, ``int2``, ``int2a``; ``int3`` is INT3 G64, K per
 channel when dense; ``int2`` is INT2 Lloyd-Max, ``int2a`` the affine INT2 G64,
 the ``"int2"`` format; ``fit`` and ``fit3.5``: the codecs fitted to each layer and loop on calibration windows,
-``int_mixed`` keys at a mean width of 4, 3.5 or 3 bits and ``int4_scaled`` values, :mod:`jflashloop.fitting`, for the
+``int_mixed`` keys at a mean width of 4, 3.5 or 3 bits (``fit4.5``, ``fit5``: 4.5 and 5) and ``int4_scaled`` values, :mod:`jflashloop.fitting`, for the
 base and direct loops, or fitted to a predicted loop's residual: ``"pred fit3.5"``); ``"direct <codec>"`` is a dense loop stored on its own rather
 than as a residual against the loop before it (``LoopStorage.direct``), and
 ``"direct <codec> @a-b"`` only in layers ``a..b`` (1-based; the other layers
@@ -71,7 +71,7 @@ COMPACT_LOOPS = ("int4", "direct int4", "int2a 24", "int2a 10")
 """``CacheConfig.compact_loops``'s policy at 64-token pages: INT4 base, dense INT4 loop 2 stored on its own,
 affine INT2 G64 rows for 37.5 % and 15 % of each page."""
 
-FITTED_CODECS = {"fit": 4.0, "fit3.5": 3.5, "fit3": 3.0}
+FITTED_CODECS = {"fit5": 5.0, "fit4.5": 4.5, "fit": 4.0, "fit3.5": 3.5, "fit3": 3.0}
 """The fitted codecs of a dense loop coded on its own: the mean key width (values: ``int4_scaled``)."""
 CALIBRATION_SEED = 100
 """The held-out windows the fitted codecs and predictions are fitted on (the measured seeds are 0, 1, 2)."""
@@ -143,9 +143,13 @@ POLICIES: dict[str, tuple[Entry, ...]] = {
     "fitted 3.5, predicted fitted 3.5 loop 2, predicted loops 3-4": ("fit3.5", "pred fit3.5", "pred", "pred"),
     "fitted 3.5, predicted fitted 3 loop 2, predicted loops 3-4": ("fit3.5", "pred fit3", "pred", "pred"),
     "fitted, predicted fitted 3 loop 2, predicted loops 3-4": ("fit", "pred fit3", "pred", "pred"),
-    # per layer, as bench/loop2_allocation_probe.py chose them on the calibration windows for 2,112 and 2,048 bytes
+    # per layer, as bench/loop2_allocation_probe.py chose them on the calibration windows for 2,112, 2,080 (the
+    # balanced choice) and 2,048 bytes
     "allocated 7.76x, predicted loops 3-4": (("fit", "fit3.5", "fit3.5", "fit3.5"),
                                              ("pred fit", "pred fit3/int3", "pred fit3.5", "pred fit3/int3"),
+                                             "pred", "pred"),
+    "allocated 7.88x, predicted loops 3-4": (("fit", "fit3", "fit3.5", "fit3.5"),
+                                             ("pred fit", "pred fit3/int3", "pred fit3", "pred fit3/int3"),
                                              "pred", "pred"),
     "allocated 8x, predicted loops 3-4": (("fit", "fit3.5", "fit3.5", "fit3.5"),
                                           ("pred fit3.5", "pred fit3/int3", "pred fit3/int3", "pred fit3/int3"),
