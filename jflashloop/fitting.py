@@ -240,19 +240,18 @@ def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int
       ValueError: arrays of another shape than the config's, ``loop`` out of range, a loop with sparse rows, or too
         few page positions for a key group.
     """
-    chosen_layers = layers
     keys, values = _calibration_tensors(config, keys, values)
     queries = np.asarray(queries, np.float32)
-    sequences, layers, loops = keys.shape[:3]
+    sequences, num_layers, loops = keys.shape[:3]
     if queries.ndim != 6 or queries.shape[:3] != keys.shape[:3] or queries.shape[5] != config.head_dim:
-        raise ValueError(f"queries must be [sequences={sequences}, layers={layers}, loops={loops}, query_tokens, q_heads, "
-                         f"head_dim={config.head_dim}], got {queries.shape}")
+        raise ValueError(f"queries must be [sequences={sequences}, layers={num_layers}, loops={loops}, query_tokens, "
+                         f"q_heads, head_dim={config.head_dim}], got {queries.shape}")
     if not 1 <= loop < loops:
         raise ValueError(f"loop must be a residual loop, 1 <= loop < {loops}, got {loop}")
-    chosen = range(layers) if chosen_layers is None else sorted(set(int(layer) for layer in chosen_layers))
-    if any(not 0 <= layer < layers for layer in chosen):
-        raise ValueError(f"layers must be in [0, {layers}), got {list(chosen_layers)}")
-    layer_loops = [list(config.layer(layer).loops) for layer in range(layers)]
+    chosen = range(num_layers) if layers is None else sorted(set(int(layer) for layer in layers))
+    if any(not 0 <= layer < num_layers for layer in chosen):
+        raise ValueError(f"layers must be in [0, {num_layers}), got {list(layers)}")
+    layer_loops = [list(config.layer(layer).loops) for layer in range(num_layers)]
     if any(layer_loops[layer][loop].is_sparse for layer in chosen):
         raise ValueError(f"loop {loop} stores sparse rows; fitted codecs are dense")
     calibration = _CalibrationCache.of(config, keys, values)
