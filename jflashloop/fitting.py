@@ -177,7 +177,7 @@ def fitted_prediction(previous_keys, previous_values, keys, values, *, sink_toke
     return LoopPrediction.from_arrays(*tables)
 
 
-def fit_predicted_loops(config: CacheConfig, keys, values) -> CacheConfig:
+def fit_predicted_loops(config: CacheConfig, keys, values, *, loops=None) -> CacheConfig:
     """``config`` with the map of every predicted loop fitted, loop by loop, on calibration sequences.
 
     Each layer's predicted loop ``r`` (a :class:`~jflashloop.LoopStorage` with a ``prediction``; its current map is
@@ -189,6 +189,7 @@ def fit_predicted_loops(config: CacheConfig, keys, values) -> CacheConfig:
       config: the cache's configuration (its policy; its pool sizes do not matter).
       keys, values: float ``[sequences, layers, loops, tokens, kv_heads, head_dim]``, calibration sequences (each
         one :func:`jflashloop.paged_cache.prefill`'s input).
+      loops: the loops whose maps are fitted (0-based; default every predicted loop); the others keep theirs.
     Returns:
       ``config`` with the fitted maps (per layer: ``layer_loops``), for :meth:`CacheConfig.predicted_loops` or any
       policy with predicted loops. Example: ``fit_predicted_loops(CacheConfig.predicted_loops(predictions=[[
@@ -198,9 +199,9 @@ def fit_predicted_loops(config: CacheConfig, keys, values) -> CacheConfig:
         (:func:`fitted_prediction`).
     """
     keys, values = _calibration_tensors(config, keys, values)
-    layers, loops = keys.shape[1:3]
+    layers, num_loops = keys.shape[1:3]
     layer_loops = [list(config.layer(layer).loops) for layer in range(layers)]
-    for loop in range(1, loops):
+    for loop in range(1, num_loops) if loops is None else sorted(set(loops) - {0}):
         if all(layer_loops[layer][loop].prediction is None for layer in range(layers)):
             continue
         config = config.with_layer_loops(layer_loops)
@@ -272,6 +273,30 @@ def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int
     return config.with_layer_loops(layer_loops)
 
 
+def fitted_codecs(keys, values, queries, mean_bits: float = 4.0, *, group_size: int = 64, sink_tokens: int = 4
+                  ) -> tuple[CodecSpec, CodecSpec]:
+    """``(int_mixed key spec, int4_scaled value spec)`` of one layer from several calibration sequences: the key
+    channels' weights (:func:`key_channel_weights`) averaged over the sequences, the value divisors
+    (:func:`fitted_values`) over all their tokens after the sinks.
+
+    Args:
+      keys, values: float ``[sequences, tokens, kv_heads, head_dim]``.
+      queries: float ``[sequences, query_tokens, q_heads, head_dim]``, each sequence's queries.
+      mean_bits: the keys' mean width; group_size: tokens per key group; sink_tokens: leading tokens left out.
+    Raises:
+      ValueError: arrays of other shapes, or what :func:`key_channel_weights` raises.
+    """
+    keys, values, queries = (np.asarray(x, np.float32) for x in (keys, values, queries))
+    if keys.ndim != 4 or values.shape != keys.shape or queries.ndim != 4 or len(queries) != len(keys):
+        raise ValueError("keys and values must be [sequences, tokens, kv_heads, head_dim] of one shape and queries "
+                         f"[sequences, query_tokens, q_heads, head_dim], got {keys.shape}, {values.shape}, "
+                         f"{queries.shape}")
+    weights = np.mean([key_channel_weights(k, q, group_size=group_size, sink_tokens=sink_tokens)
+                       for k, q in zip(keys, queries, strict=True)], axis=0)
+    return (keys_from_weights(weights, mean_bits, group_size=group_size),
+            fitted_values(values[:, sink_tokens:].reshape(-1, *values.shape[2:]), sink_tokens=0))
+
+
 def fitted_loops(keys, values, queries, *, base_bits: float = 3.5, loop_bits: float = 3.5, **config) -> CacheConfig:
     """A fitted looped layout at FlashLoop's quality in fewer bytes: a :class:`~jflashloop.CacheConfig` fitted to a
     looped model's calibration sequences.
@@ -307,22 +332,20 @@ def fitted_loops(keys, values, queries, *, base_bits: float = 3.5, loop_bits: fl
         raise ValueError("keys and values must be [sequences, layers, loops >= 2, tokens, kv_heads, head_dim] of one "
                          "shape and queries [sequences, layers, loops, query_tokens, q_heads, head_dim], got "
                          f"{keys.shape}, {values.shape}, {queries.shape}")
-    sequences, layers, loops, _, heads, head_dim = keys.shape
+    _, layers, loops, _, heads, head_dim = keys.shape
     shape = CacheConfig(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, **config)
     sinks, group = shape.sink_tokens, shape.page_size
     identity = LoopPrediction.identity(heads, head_dim)
     per_layer = []
     for layer in range(layers):
-        weights = np.mean([key_channel_weights(keys[s, layer, 0], queries[s, layer, 0], group_size=group,
-                                               sink_tokens=sinks) for s in range(sequences)], axis=0)
-        base = LoopStorage(keys_from_weights(weights, base_bits, group_size=group),
-                           fitted_values(values[:, layer, 0, sinks:].reshape(-1, heads, head_dim), sink_tokens=0))
+        base = LoopStorage(*fitted_codecs(keys[:, layer, 0], values[:, layer, 0], queries[:, layer, 0], base_bits,
+                                          group_size=group, sink_tokens=sinks))
         per_layer.append((base, LoopStorage(INT4_KEYS, INT4_VALUES, prediction=identity),
                           *[LoopStorage(INT4_VALUES, INT4_VALUES, 0, prediction=identity)] * (loops - 2)))
     fitted = fit_predicted_loops(dataclasses.replace(shape, loops=per_layer[0]).with_layer_loops(per_layer),
-                                 keys, values)
+                                 keys, values, loops=[1])
     fitted = fit_residual_codecs(fitted, keys, values, queries, loop=1, mean_bits=loop_bits)
-    return fit_predicted_loops(fitted, keys, values)
+    return fit_predicted_loops(fitted, keys, values, loops=range(2, loops))
 
 
 def _calibration_tensors(config: CacheConfig, keys, values) -> tuple[np.ndarray, np.ndarray]:

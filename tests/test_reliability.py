@@ -538,6 +538,11 @@ BAD_INPUTS = [
                                max_pages_per_sequence=2, num_loops=3),
          *np.ones((2, 1, 1, 3, 8, 1, 16)), np.ones((1, 1, 3, 2, 1, 16)), loop=1, layers=[1]),
      ValueError, "layers must be in \\[0, 1\\), got \\[1\\]"),
+    ("fitting.fitted_codecs: sequences of another shape",
+     lambda: jflashloop.fitting.fitted_codecs(np.ones((2, 80, 1, 16)), np.ones((2, 80, 1, 8)), np.ones((2, 4, 1, 16))),
+     ValueError, "keys and values must be \\[sequences, tokens, kv_heads, head_dim\\] of one shape and queries "
+                 "\\[sequences, query_tokens, q_heads, head_dim\\], got \\(2, 80, 1, 16\\), \\(2, 80, 1, 8\\), "
+                 "\\(2, 4, 1, 16\\)"),
     ("fitting.fitted_loops: fewer than two loops",
      lambda: jflashloop.fitting.fitted_loops(*np.ones((3, 1, 1, 1, 8, 1, 16)), num_pages=4, max_sequences=1,
                                              max_pages_per_sequence=2),

@@ -174,11 +174,16 @@ def _spec(codec: str, dense_key: bool, head_dim: int) -> CodecSpec:
 def _predicted(entry: str | tuple[str, ...]) -> bool:
     """Whether ``entry`` (one string, or one per layer: predicted in every layer or in none) is predicted."""
     if not isinstance(entry, str):
-        kinds = {_predicted(layer_entry) for layer_entry in entry}
+        kinds = {_predicted(layer_entry) for layer_entry in _layer_entries(entry)}
         if len(kinds) != 1:
             raise ValueError(f"a loop is predicted in every layer or in none, got {entry!r}")
         return kinds.pop()
     return entry == PREDICTED or entry.startswith(PREDICTED + " ")
+
+
+def _layer_entries(entry: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The strings of an entry: itself, or its one per layer."""
+    return (entry,) if isinstance(entry, str) else entry
 
 
 def _residual_codecs(entry: str) -> tuple[str, str] | None:
@@ -285,8 +290,7 @@ def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies,
     """
     wanted = set()
     for policy in policies:
-        for loop, entry in ((loop, text) for loop, entries in enumerate(policy)
-                            for text in ((entries,) if isinstance(entries, str) else entries)):
+        for loop, entry in ((loop, text) for loop, entries in enumerate(policy) for text in _layer_entries(entries)):
             codec = entry.removeprefix("direct ").partition(" @")[0]
             if codec in FITTED_CODECS:
                 if loop and not entry.startswith("direct "):
@@ -301,17 +305,11 @@ def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies,
     queries = np.asarray(model_queries(params, model, token_ids, 32), np.float32)
     keys, values = np.asarray(keys, np.float32), np.asarray(values, np.float32)
 
-    def flat(x):  # [windows, T, H, D] -> [windows * T, H, D]
-        return x.reshape(-1, *x.shape[-2:])
-
-    sinks = CacheConfig.sink_tokens
     fitted = {}
     for codec, loop in sorted(wanted):
         fitted[(codec, loop)] = [
-            (fitting.keys_from_weights(np.mean([
-                fitting.key_channel_weights(keys[loop, layer, w], queries[loop, layer, w], sink_tokens=sinks)
-                for w in range(settings.sequences)], axis=0), FITTED_CODECS[codec], group_size=PAGE_SIZE),
-             fitting.fitted_values(flat(values[loop, layer][:, sinks:]), sink_tokens=0))
+            fitting.fitted_codecs(keys[loop, layer], values[loop, layer], queries[loop, layer], FITTED_CODECS[codec],
+                                  group_size=PAGE_SIZE, sink_tokens=CacheConfig.sink_tokens)
             for layer in range(model.layers)]
     return fitted
 
@@ -322,10 +320,9 @@ def fitted_predicted_loops(params, model: ouro.OuroConfig, held_out: np.ndarray,
     entries), for :func:`policy_config`'s ``predicted``.
 
     On ``settings.sequences`` held-out windows of ``seed``, through the policy's own cache: the maps by
-    :func:`jflashloop.fitting.fit_predicted_loops` (each predicted loop from the loop before as that cache
-    reconstructs it); then, loop by loop, the codecs of a fitted residual (``"pred fit3.5"``) by
-    :func:`jflashloop.fitting.fit_residual_codecs` (with the model's queries at the last 32 positions), and the
-    maps of the loops after it again (they predict from its reconstruction)."""
+    :func:`jflashloop.fitting.fit_predicted_loops`, loop by loop (each predicted loop from the loop before as that
+    cache reconstructs it), each followed by the codecs of its residual where they are fitted (``"pred fit3.5"``:
+    :func:`jflashloop.fitting.fit_residual_codecs`, with the model's queries at the last 32 positions)."""
     loops = [loop for loop, entry in enumerate(policy) if _predicted(entry)]
     if not loops:
         return {}
@@ -335,24 +332,21 @@ def fitted_predicted_loops(params, model: ouro.OuroConfig, held_out: np.ndarray,
     identity = LoopPrediction.identity(model.kv_heads, model.head_dim)
     placeholders = {loop: [loop_storage(_entry_in_layer(policy[loop], layer), model.head_dim, prediction=identity)
                            for layer in range(model.layers)] for loop in loops}
-    config = fitting.fit_predicted_loops(policy_config(policy, model, settings.sequences, settings.tokens,
-                                                       fitted=fitted, predicted=placeholders), keys, values)
+    config = policy_config(policy, model, settings.sequences, settings.tokens, fitted=fitted, predicted=placeholders)
     queries = None
-    for loop in loops:
+    for loop in loops:  # each map, then the codecs of its residual, in loop order
+        config = fitting.fit_predicted_loops(config, keys, values, loops=[loop])
         groups: dict[tuple[str, str], list[int]] = {}  # layers by their residual's codecs
         for layer in range(model.layers):
             codecs = _residual_codecs(_entry_in_layer(policy[loop], layer))
             if codecs is not None:
                 groups.setdefault(codecs, []).append(layer)
-        if not groups:
-            continue
-        if queries is None:
+        if groups and queries is None:
             queries = np.asarray(model_queries(params, model, token_ids, 32)).transpose(2, 1, 0, 3, 4, 5)
         for (key, value), layers in groups.items():
             config = fitting.fit_residual_codecs(
                 config, keys, values, queries, loop=loop, mean_bits=FITTED_CODECS[key], layers=layers,
                 value_spec=None if value == "fit" else _spec(value, False, model.head_dim))
-        config = fitting.fit_predicted_loops(config, keys, values)
     return {loop: [config.layer(layer).loops[loop] for layer in range(model.layers)] for loop in loops}
 
 
