@@ -212,6 +212,47 @@ def test_attention_over_predicted_loops(rng):
                                     interpret=True)
 
 
+@pytest.mark.parametrize("window_dtype", ["bfloat16", "float32"])
+def test_the_maps_around_the_kernel_match_float64(rng, window_dtype):
+    """The query's, the windows' and the output's maps of a predicted loop against float64 numpy: a bfloat16
+    window through the inverse split in two bfloat16 halves, a float32 one at full precision; with the high half
+    alone (the control) a bfloat16 window's error is far above the bound."""
+    from jflashloop.ops import _decode_attention as ops
+
+    config = dataclasses.replace(predicted_config(rng, rows=(0, 0)), window_dtype=window_dtype)
+    plan = ops.kernel_plan(config.layer(0), 3)  # loop 4: two maps composed
+    key_table, value_table = (t.astype(np.float64) for t in plan.prediction.tables())
+    sequences, heads = config.max_sequences, config.num_kv_heads
+    windows = {name: jnp.asarray(rng.standard_normal((config.num_loops, sequences, heads, tokens, HEAD_DIM)),
+                                 window_dtype)
+               for name, tokens in (("sink_keys", config.sink_tokens), ("ring_keys", config.recent_tokens),
+                                    ("sink_values", config.sink_tokens), ("ring_values", config.recent_tokens))}
+    queries = jnp.asarray(rng.standard_normal((sequences, 2 * heads, HEAD_DIM)), jnp.float32)
+    mapped, moved, window_loop = ops.predicted_inputs(queries, windows, 3, plan)
+    assert window_loop == 0
+
+    def relative(got, want):
+        return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
+
+    grouped = np.asarray(queries, np.float64).reshape(sequences, heads, 2, HEAD_DIM)
+    want_query = np.einsum("hde,shge->shgd", key_table[:, :-1], grouped)
+    assert relative(mapped.reshape(want_query.shape), want_query) < 3e-5
+    for name, table in (("sink_keys", key_table), ("ring_keys", key_table), ("sink_values", value_table),
+                        ("ring_values", value_table)):
+        window = np.asarray(windows[name][3:4], np.float64)
+        want = np.einsum("lshtd,hde->lshte", window - table[:, -1][:, None], np.linalg.inv(table[:, :-1]))
+        assert moved[name].dtype == jnp.float32 and relative(moved[name], want) < 3e-5, name
+        if window_dtype == "bfloat16" and name == "ring_keys":  # control: the rounded inverse alone
+            rounded = np.asarray(jnp.asarray(np.linalg.inv(table[:, :-1]), jnp.bfloat16), np.float64)
+            shift = np.einsum("hd,hde->he", table[:, -1], np.linalg.inv(table[:, :-1]))
+            assert relative(np.einsum("lshtd,hde->lshte", window, rounded) - shift[:, None], want) > 1e-4
+    bounds = jnp.asarray([[5, 0]] + [[0, 0]] * (sequences - 1), jnp.int32)  # only sequence 0 has a token
+    output = ops.predicted_output(queries, {"bounds": bounds}, plan)
+    want_output = np.einsum("shgd,hde->shge", grouped, value_table[:, :-1]) + value_table[:, -1][None, :, None]
+    want_output[1:] -= value_table[:, -1][None, :, None]
+    assert relative(output.reshape(want_output.shape), want_output) < 3e-5
+
+
 def test_a_shard_takes_a_prediction_only_when_its_heads_share_it(rng):
     mesh = types.SimpleNamespace(shape={"data": 1, "model": 2})
     config = predicted_config(rng, rows=(4, 0))

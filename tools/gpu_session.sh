@@ -70,6 +70,7 @@ for stage in "$@"; do
     chunks) run_stage chunks 200 python3 bench/chunks.py ;;
     shared) run_stage shared 200 python3 bench/kernel_formulations.py --device-time --shapes 0,2 --names public \
              --shared ;;
+    maps) run_stage maps 120 python3 bench/predicted_maps.py ;;
     overhead) run_stage overhead 120 python3 bench/call_overhead.py ;;
     overheadlegacy) run_stage overheadlegacy 120 env JFLASHLOOP_TRITON_TARGET=legacy python3 bench/call_overhead.py ;;
     quick) run_stage quick 150 python3 bench/decode.py --quick --check ;;

@@ -328,8 +328,15 @@ def predicted_inputs(queries, windows: dict, window_loop: int, plan: KernelPlan)
     A page token of the predicted loop is ``x M + b`` (``x`` the source loop's reconstruction, per KV head), so
     its score is ``(M q) . x`` plus ``q . b``, the same for every token of a query (the softmax drops it): the
     kernel reads the source's pages with the query ``M q``, and this loop's own windows moved to
-    ``(k - b) M^-1`` (values ``(v - b) M^-1``) give that query the windows' exact scores; the output goes back by
-    :func:`predicted_output`. Returns ``(queries, windows, window_loop)`` (the windows float32, alone).
+    ``(k - b) M^-1 = k M^-1 - b M^-1`` (values ``(v - b_v) M_v^-1``) give that query the windows' exact scores;
+    the output goes back by :func:`predicted_output`. Returns ``(queries, windows, window_loop)`` (the
+    windows float32, alone).
+
+    The maps are a few small products a call (``bench/predicted_maps.py`` times them): the query's and the
+    output's at :data:`MAP_PRECISION`; a bfloat16 window's in one product of bfloat16 values (exact products,
+    float32 sums, at the default precision: on GPUs the TF32 matrix units) against the inverse rounded to
+    bfloat16 beside what that rounding left (:func:`_split_bfloat16`; about 2**-16 of each term), other window
+    dtypes at full float32 precision.
     """
     if plan.prediction is None:
         return queries, windows, window_loop
@@ -338,17 +345,38 @@ def predicted_inputs(queries, windows: dict, window_loop: int, plan: KernelPlan)
     key_table, value_table = plan.prediction.tables()
     grouped = queries.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)  # GQA groups
     queries = jnp.einsum("hde,shge->shgd", jnp.asarray(key_table[:, :-1]), grouped,
-                         precision=jax.lax.Precision.HIGHEST).reshape(sequences, q_heads, head_dim)
+                         precision=MAP_PRECISION).reshape(sequences, q_heads, head_dim)
     moved = {}
     for name, table in (("sink_keys", key_table), ("ring_keys", key_table), ("sink_values", value_table),
                         ("ring_values", value_table)):
         array = windows[name]
         if array is not None:  # [loops, S, H, T, D] -> this loop's, in the source's basis
-            inverse = jnp.asarray(np.linalg.inv(table[:, :-1].astype(np.float64)), jnp.float32)
-            shifted = array[window_loop:window_loop + 1].astype(jnp.float32) - jnp.asarray(table[:, -1])[:, None]
-            array = jnp.einsum("lshtd,hde->lshte", shifted, inverse, precision=jax.lax.Precision.HIGHEST)
+            inverse = np.linalg.inv(table[:, :-1].astype(np.float64))
+            shift = jnp.asarray(np.einsum("hd,hde->he", table[:, -1].astype(np.float64), inverse), jnp.float32)
+            array = array[window_loop:window_loop + 1]
+            if array.dtype == jnp.bfloat16:  # one product of bfloat16 values (exact at any float32 precision)
+                both = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32),
+                                  _split_bfloat16(inverse).astype(jnp.float32), precision=jax.lax.Precision.DEFAULT)
+                product = both[..., :head_dim] + both[..., head_dim:]
+            else:
+                product = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32),
+                                     jnp.asarray(inverse, jnp.float32), precision=jax.lax.Precision.HIGHEST)
+            array = product - shift[:, None]
         moved[name] = array
     return queries, moved, 0
+
+
+MAP_PRECISION = jax.lax.Precision.HIGH
+"""Precision of the query's and the output's maps around a predicted loop's kernel (float32 operands; on GPUs
+three bfloat16 products, about 2**-16 of each term)."""
+
+
+def _split_bfloat16(matrix: np.ndarray):
+    """bfloat16 ``[..., D, 2E]`` of a float64 ``[..., D, E]`` matrix: its bfloat16 rounding, then what the
+    rounding left (rounded too), so that a bfloat16 ``x`` times it summed by halves is ``x M`` to about 2**-16."""
+    high = jnp.asarray(matrix, jnp.float32).astype(jnp.bfloat16)
+    low = (jnp.asarray(matrix, jnp.float32) - high.astype(jnp.float32)).astype(jnp.bfloat16)
+    return jnp.concatenate([high, low], axis=-1)
 
 
 def predicted_output(output, inputs: dict, plan: KernelPlan):
@@ -360,7 +388,7 @@ def predicted_output(output, inputs: dict, plan: KernelPlan):
     heads = plan.prediction.num_kv_heads
     table = jnp.asarray(plan.prediction.tables()[1])
     grouped = output.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)
-    mapped = jnp.einsum("shgd,hde->shge", grouped, table[:, :-1], precision=jax.lax.Precision.HIGHEST)
+    mapped = jnp.einsum("shgd,hde->shge", grouped, table[:, :-1], precision=MAP_PRECISION)
     seen = inputs["bounds"][:, 0] > 0
     mapped = mapped + jnp.where(seen[:, None, None, None], table[:, -1][None, :, None, :], 0.0)
     return mapped.reshape(sequences, q_heads, head_dim)

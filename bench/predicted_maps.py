@@ -1,0 +1,260 @@
+"""The XLA work around a predicted loop's fused kernel, formulation by formulation (GPU).
+
+A predicted loop (``CacheConfig.predicted_loops``) is read through its source loop's stream: the query goes
+in as ``M q``, the loop's own sink and recent windows go in moved to ``(k - b) M^-1`` and ``(v - b) M_v^-1``,
+and the kernel's output comes back as ``out M_v + b_v``
+(:func:`jflashloop.ops._decode_attention.predicted_inputs`, :func:`~jflashloop.ops._decode_attention.predicted_output`).
+This times those maps alone (no kernel: the output map reads the query map's result) at one layer of the
+looped model's end-to-end step, 48 calls in one jitted function with one ring token written per call (as a
+decode step writes it), and reports the GPU's kernels per call from a ``jax.profiler`` trace, with each
+formulation's largest difference from float64 maps.
+
+Usage:
+  python bench/predicted_maps.py [--sequences 8] [--kv-heads 16] [--q-heads 16] [--recent 16] [--sink 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jflashloop
+from jflashloop.ops import _decode_attention as ops
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import decode as decode_bench
+import kernel_formulations
+
+HIGHEST = jax.lax.Precision.HIGHEST
+REPEATS = 48
+
+
+def split_bf16(matrix):
+    """float ``[..., D, E]`` (numpy) as bfloat16 ``[..., D, 2E]``: the rounded matrix and what rounding left."""
+    import ml_dtypes
+
+    matrix = np.asarray(matrix, np.float32)
+    high = matrix.astype(ml_dtypes.bfloat16)
+    low = (matrix - high.astype(np.float32)).astype(ml_dtypes.bfloat16)
+    return jnp.asarray(np.concatenate([high, low], axis=-1))
+
+
+def tables_of(plan):
+    key_table, value_table = (np.asarray(t, np.float64) for t in plan.prediction.tables())
+    inverses = [np.linalg.inv(t[:, :-1]) for t in (key_table, value_table)]
+    shifts = [np.einsum("hd,hde->he", t[:, -1], inv) for t, inv in zip((key_table, value_table), inverses, strict=True)]
+    return key_table, value_table, inverses, shifts
+
+
+def maps_library(plan):
+    """The library's own formulation (:func:`jflashloop.ops._decode_attention.predicted_inputs`)."""
+    def run(queries, windows, bounds):
+        q, moved, _ = ops.predicted_inputs(queries, windows, 0, plan)
+        return q, moved, ops.predicted_output(q, {"bounds": bounds}, plan)
+    return run
+
+
+def maps_shifted(plan):
+    """The maps as first shipped: each window shifted, then one float32 product at full precision; the query's
+    and the output's at full precision too."""
+    key_table, value_table, inverses, _ = tables_of(plan)
+    heads = plan.prediction.num_kv_heads
+
+    def run(queries, windows, bounds):
+        sequences, q_heads, head_dim = queries.shape
+        grouped = queries.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)
+        q = jnp.einsum("hde,shge->shgd", jnp.asarray(key_table[:, :-1], jnp.float32), grouped,
+                       precision=HIGHEST).reshape(sequences, q_heads, head_dim)
+        moved = {}
+        for name, table, inverse in (("sink_keys", key_table, inverses[0]), ("ring_keys", key_table, inverses[0]),
+                                     ("sink_values", value_table, inverses[1]),
+                                     ("ring_values", value_table, inverses[1])):
+            shifted = windows[name].astype(jnp.float32) - jnp.asarray(table[:, -1], jnp.float32)[:, None]
+            moved[name] = jnp.einsum("lshtd,hde->lshte", shifted, jnp.asarray(inverse, jnp.float32),
+                                     precision=HIGHEST)
+        out = jnp.einsum("shgd,hde->shge", q.reshape(sequences, heads, q_heads // heads, head_dim),
+                         jnp.asarray(value_table[:, :-1], jnp.float32), precision=HIGHEST)
+        seen = bounds[:, 0] > 0
+        out = out + jnp.where(seen[:, None, None, None], jnp.asarray(value_table[:, -1], jnp.float32)[None, :, None],
+                              0.0)
+        return q, moved, out.reshape(sequences, q_heads, head_dim)
+    return run
+
+
+def maps_folded(plan, window_precision, query_precision, split_windows):
+    """Shift folded into a constant (``(x - b) M^-1 = x M^-1 - b M^-1``); windows through ``split_windows``
+    (the bfloat16 matrix and its remainder in one bfloat16 product: exact for bfloat16 windows) or at
+    ``window_precision``; the query and output maps at ``query_precision``."""
+    key_table, value_table, inverses, shifts = tables_of(plan)
+    heads = plan.prediction.num_kv_heads
+
+    def run(queries, windows, bounds):
+        sequences, q_heads, head_dim = queries.shape
+        grouped = queries.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)
+        q = jnp.einsum("hde,shge->shgd", jnp.asarray(key_table[:, :-1], jnp.float32), grouped,
+                       precision=query_precision).reshape(sequences, q_heads, head_dim)
+        moved = {}
+        for name, inverse, shift in (("sink_keys", inverses[0], shifts[0]), ("ring_keys", inverses[0], shifts[0]),
+                                     ("sink_values", inverses[1], shifts[1]),
+                                     ("ring_values", inverses[1], shifts[1])):
+            array = windows[name]
+            if split_windows == "reduce":  # a broadcast product and sum (one fusion, no matrix unit)
+                product = jnp.sum(array.astype(jnp.float32)[..., None] * jnp.asarray(inverse, jnp.float32)[:, None],
+                                  axis=-2)
+            elif split_windows:
+                both = jnp.einsum("lshtd,hde->lshte", array, split_bf16(inverse),
+                                  preferred_element_type=jnp.float32) if split_windows == "bf16" else \
+                    jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32), split_bf16(inverse).astype(jnp.float32))
+                product = both[..., :head_dim] + both[..., head_dim:]
+            else:
+                product = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32),
+                                     jnp.asarray(inverse, jnp.float32), precision=window_precision)
+            moved[name] = product - jnp.asarray(shift, jnp.float32)[:, None]
+        out = jnp.einsum("shgd,hde->shge", q.reshape(sequences, heads, q_heads // heads, head_dim),
+                         jnp.asarray(value_table[:, :-1], jnp.float32), precision=query_precision)
+        seen = bounds[:, 0] > 0
+        out = out + jnp.where(seen[:, None, None, None], jnp.asarray(value_table[:, -1], jnp.float32)[None, :, None],
+                              0.0)
+        return q, moved, out.reshape(sequences, q_heads, head_dim)
+    return run
+
+
+def maps_stacked(plan):
+    """All four windows in one product: sink and ring joined along the tokens, keys and values stacked, against
+    the two split inverses (bfloat16 values, float32 sums); the query and output maps at ``HIGH``."""
+    key_table, value_table, inverses, shifts = tables_of(plan)
+    heads = plan.prediction.num_kv_heads
+    split = jnp.stack([split_bf16(inverse) for inverse in inverses]).astype(jnp.float32)  # [2, H, D, 2D]
+    shift = jnp.asarray(np.stack(shifts), jnp.float32)  # [2, H, D]
+
+    def run(queries, windows, bounds):
+        sequences, q_heads, head_dim = queries.shape
+        grouped = queries.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)
+        q = jnp.einsum("hde,shge->shgd", jnp.asarray(key_table[:, :-1], jnp.float32), grouped,
+                       precision=jax.lax.Precision.HIGH).reshape(sequences, q_heads, head_dim)
+        sink = windows["sink_keys"].shape[3]
+        joined = jnp.stack([jnp.concatenate([windows["sink_keys"], windows["ring_keys"]], axis=3)[0],
+                            jnp.concatenate([windows["sink_values"], windows["ring_values"]], axis=3)[0]])
+        both = jnp.einsum("kshtd,khde->kshte", joined.astype(jnp.float32), split)
+        moved_all = both[..., :head_dim] + both[..., head_dim:] - shift[:, None, :, None]
+        moved = {"sink_keys": moved_all[0:1, :, :, :sink], "ring_keys": moved_all[0:1, :, :, sink:],
+                 "sink_values": moved_all[1:2, :, :, :sink], "ring_values": moved_all[1:2, :, :, sink:]}
+        out = jnp.einsum("shgd,hde->shge", q.reshape(sequences, heads, q_heads // heads, head_dim),
+                         jnp.asarray(value_table[:, :-1], jnp.float32), precision=jax.lax.Precision.HIGH)
+        seen = bounds[:, 0] > 0
+        out = out + jnp.where(seen[:, None, None, None], jnp.asarray(value_table[:, -1], jnp.float32)[None, :, None],
+                              0.0)
+        return q, moved, out.reshape(sequences, q_heads, head_dim)
+    return run
+
+
+def formulations(plan):
+    return {
+        "library": maps_library(plan),
+        "shifted-highest": maps_shifted(plan),
+        "folded-highest": maps_folded(plan, HIGHEST, HIGHEST, False),
+        "folded-high": maps_folded(plan, jax.lax.Precision.HIGH, jax.lax.Precision.HIGH, False),
+        "split-high": maps_folded(plan, None, jax.lax.Precision.HIGH, True),
+        "split-highest": maps_folded(plan, None, HIGHEST, True),
+        "split-bf16-high": maps_folded(plan, None, jax.lax.Precision.HIGH, "bf16"),
+        "reduce-high": maps_folded(plan, None, jax.lax.Precision.HIGH, "reduce"),
+        "stacked": maps_stacked(plan),
+    }
+
+
+def many(run):
+    """``REPEATS`` calls of ``run`` in one jitted loop, a ring token written (from the last output) per call."""
+    @jax.jit
+    def go(queries, windows, bounds):
+        def body(i, carry):
+            queries, windows, total = carry
+            q, moved, out = run(queries, windows, bounds)
+            ring = windows["ring_keys"]
+            token = out.reshape(*ring.shape[1:3], -1, ring.shape[-1])[:, :, :1].astype(ring.dtype)[None]
+            ring = jax.lax.dynamic_update_slice_in_dim(ring, token, i % ring.shape[3], axis=3)
+            total = total + sum(jnp.sum(m[..., :1]) for m in moved.values()) + jnp.sum(q[..., :1])
+            return out.astype(queries.dtype), dict(windows, ring_keys=ring), total
+        return jax.lax.fori_loop(0, REPEATS, body, (queries, windows, jnp.float32(0)))
+    return go
+
+
+def exact(plan, queries, windows, bounds):
+    """float64 numpy maps: ``(query, moved windows, output of the mapped query)``."""
+    key_table, value_table, inverses, _ = tables_of(plan)
+    heads = plan.prediction.num_kv_heads
+    q64 = np.asarray(queries, np.float64)
+    sequences, q_heads, head_dim = q64.shape
+    q = np.einsum("hde,shge->shgd", key_table[:, :-1], q64.reshape(sequences, heads, -1, head_dim))
+    moved = {}
+    for name, table, inverse in (("sink_keys", key_table, inverses[0]), ("ring_keys", key_table, inverses[0]),
+                                 ("sink_values", value_table, inverses[1]), ("ring_values", value_table, inverses[1])):
+        moved[name] = np.einsum("lshtd,hde->lshte", np.asarray(windows[name], np.float64) - table[:, -1][:, None],
+                                inverse)
+    out = np.einsum("shgd,hde->shge", q, value_table[:, :-1]) + value_table[:, -1][None, :, None]
+    return q.reshape(sequences, q_heads, head_dim), moved, out.reshape(sequences, q_heads, head_dim)
+
+
+def largest_error(plan, run, queries, windows, bounds):
+    got = jax.jit(run)(queries, windows, bounds)
+    want = exact(plan, queries, windows, bounds)
+    errors = [np.max(np.abs(np.asarray(got[0], np.float64) - want[0])) / np.max(np.abs(want[0])),
+              np.max(np.abs(np.asarray(got[2], np.float64) - want[2])) / np.max(np.abs(want[2]))]
+    errors += [np.max(np.abs(np.asarray(got[1][n], np.float64) - want[1][n])) / np.max(np.abs(want[1][n]))
+               for n in want[1]]
+    return max(errors)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=16)
+    parser.add_argument("--q-heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--sink", type=int, default=4)
+    parser.add_argument("--recent", type=int, default=16)
+    parser.add_argument("--names", default=None, help="comma-separated formulations (default: all)")
+    parser.add_argument("--timeline", default=None, help="trace folder (default: a temporary one)")
+    args = parser.parse_args(argv)
+    predictions = decode_bench.stand_in_predictions(1, 2, args.kv_heads, args.head_dim)
+    config = jflashloop.CacheConfig.predicted_loops(
+        predictions=predictions, num_layers=1, num_kv_heads=args.kv_heads, head_dim=args.head_dim, num_pages=8,
+        max_sequences=args.sequences, max_pages_per_sequence=1, page_size=64, sink_tokens=args.sink,
+        recent_tokens=args.recent)
+    plan = ops.kernel_plan(config.layer(0), 3)  # loop 4: two maps composed
+    rng = np.random.default_rng(0)
+    shape = (1, args.sequences, args.kv_heads)
+    windows = {name: jnp.asarray(rng.standard_normal((*shape, tokens, args.head_dim)), jnp.bfloat16)
+               for name, tokens in (("sink_keys", args.sink), ("ring_keys", args.recent),
+                                    ("sink_values", args.sink), ("ring_values", args.recent))}
+    queries = jnp.asarray(rng.standard_normal((args.sequences, args.q_heads, args.head_dim)), jnp.bfloat16)
+    bounds = jnp.ones((args.sequences, 2), jnp.int32)
+    chosen = formulations(plan)
+    names = args.names.split(",") if args.names else list(chosen)
+    directory = args.timeline or tempfile.mkdtemp()
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; B{args.sequences} Hq{args.q_heads} "
+          f"Hkv{args.kv_heads} D{args.head_dim}, windows {args.sink} + {args.recent}, {REPEATS} calls a function")
+    print("| formulation | kernels a call | GPU busy us a call | span us a call | largest relative error | "
+          "largest kernels (us a call) |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        run = chosen[name]
+        error = largest_error(plan, run, queries, windows, bounds)
+        go = many(run)
+        jax.block_until_ready(go(queries, windows, bounds))
+        timeline = kernel_formulations.gpu_timeline(lambda go=go: go(queries, windows, bounds), directory, REPEATS)
+        if timeline is None:
+            print(f"| {name} | | | | {error:.1e} | no GPU kernels traced |")
+            continue
+        top = ", ".join(f"{k.split('.')[0][:28]} {t:.1f}" for k, t in timeline.kernels[:4])
+        print(f"| {name} | {timeline.count:.1f} | {timeline.busy:.1f} | {timeline.span:.1f} | {error:.1e} | {top} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
