@@ -28,7 +28,11 @@ import jflashloop
 import jflashloop_reference as reference
 from jflashloop import LoopStorage
 from jflashloop.ops import arg_specs
-from jflashloop.ops._decode_attention import gluon_is_default, gluon_unsupported_reason
+from jflashloop.ops._decode_attention import (
+    float16_windows,
+    gluon_is_default,
+    gluon_unsupported_reason,
+)
 from jflashloop_pallas_kernels.decode_attention import KernelConfig
 from tests.bits import assert_bits_equal
 from tests.builders import (
@@ -326,3 +330,19 @@ def test_public_dispatch_picks_the_backend(rng):
     if not ON_GPU:
         with pytest.raises(NotImplementedError, match="CUDA GPUs"):
             jflashloop.decode_attention(queries, cache, 0, 0, implementation="gluon")
+
+
+def test_float32_windows_reach_the_gluon_kernel_as_its_loads_round_them():
+    """Moved (float32) windows become float16 as the Gluon kernel's window loads make them (clamped to +-65504,
+    rounded to nearest even), so the kernel computes the same bits from half the bytes; other dtypes and absent
+    windows pass unchanged."""
+    rng = np.random.default_rng(7)
+    moved = rng.standard_normal((1, 2, 2, 16, 64)).astype(np.float32) * np.float32(3e4)
+    moved[0, 0, 0, :4, 0] = [1e6, -1e6, 65519.0, 1.0 + 2.0 ** -11]  # clamped, clamped, rounds down to 65504, tie
+    bf16 = jnp.asarray(moved[..., :4, :], jnp.bfloat16)
+    out = float16_windows({"sink_keys": None, "ring_keys": jnp.asarray(moved), "sink_values": bf16})
+    want = np.clip(moved, -65504.0, 65504.0).astype(np.float16)
+    assert out["ring_keys"].dtype == jnp.float16
+    assert_bits_equal(out["ring_keys"], want, "float16 windows")
+    assert out["sink_keys"] is None and out["sink_values"] is bf16
+    assert np.asarray(out["ring_keys"])[0, 0, 0, 3, 0] == np.float16(1.0)  # the tie goes to the even neighbour

@@ -394,6 +394,15 @@ def predicted_output(output, inputs: dict, plan: KernelPlan):
     return mapped.reshape(sequences, q_heads, head_dim)
 
 
+def float16_windows(windows: dict) -> dict:
+    """The float32 windows (moved by :func:`rotated_inputs` or :func:`predicted_inputs`) as the Gluon kernel reads
+    them: clamped to float16's largest finite value, then float16 (its window loads do the same to every window
+    dtype, ``_load_window_rows``), so that it reads half the bytes and computes the same bits. Other arrays (and
+    None) are returned as they are."""
+    return {name: jnp.clip(array, -65504.0, 65504.0).astype(jnp.float16)
+            if array is not None and array.dtype == jnp.float32 else array for name, array in windows.items()}
+
+
 def unrotated_output(output, value_seed):
     """The kernel's output back in the natural basis: ``sum_t p_t R v_t = R (sum_t p_t v_t)``."""
     if value_seed is None:
@@ -458,6 +467,7 @@ def _gluon(queries, cache, layer, loop, *, include_pending, scale, kernel_config
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)
     queries, windows, window_loop = predicted_inputs(queries, windows, window_loop, plan)
+    windows = float16_windows(windows)
     options = {}
     if kernel_config is not None:
         options = dict(splits=kernel_config.num_splits, target_programs=kernel_config.target_programs)
