@@ -297,7 +297,7 @@ def fitted_codecs(keys, values, queries, mean_bits: float = 4.0, *, group_size: 
             fitted_values(values[:, sink_tokens:].reshape(-1, *values.shape[2:]), sink_tokens=0))
 
 
-def fitted_loops(keys, values, queries, *, base_bits: float = 3.5, loop_bits: float = 3.5, **config) -> CacheConfig:
+def fitted_loops(keys, values, queries, *, base_bits=3.5, loop_bits=3.5, loop_values=None, **config) -> CacheConfig:
     """A fitted looped layout at FlashLoop's quality in fewer bytes: a :class:`~jflashloop.CacheConfig` fitted to a
     looped model's calibration sequences.
 
@@ -307,24 +307,28 @@ def fitted_loops(keys, values, queries, *, base_bits: float = 3.5, loop_bits: fl
     at ``loop_bits`` (:func:`fit_residual_codecs`); every later loop predicted from the loop before with no rows
     (their maps fitted last, from loop 1 as the cache stores it). On the shipped looped checkpoint (``bench/LOOPS.md``,
     "Loop 2's residual in codecs fitted to it"): 2,176 bytes a token, 7.53x less than four BF16 loop caches, with
-    0.61x the teacher-forced KL of FlashLoop's policy and less attention error in every loop (the same codecs
-    chosen per layer, :func:`fit_residual_codecs` with ``layers``, reach 7.88x there). The fused kernels do
-    not read fitted codecs (the reference path reads this cache); :meth:`CacheConfig.predicted_loops` is the fused
-    layout (7.11x).
+    0.61x the teacher-forced KL of FlashLoop's policy and less attention error in every loop. Widths and value
+    codecs chosen per layer reach 7.88x there at FlashLoop's quality on every measure: ``base_bits=(4, 3, 3.5,
+    3.5), loop_bits=(4, 3, 3, 3), loop_values=(None, INT3, None, INT3)`` (``INT3 = CodecSpec("int3", "token",
+    64)``; 2,080 bytes a token). The fused kernels do not read fitted codecs (the reference path reads this cache);
+    :meth:`CacheConfig.predicted_loops` is the fused layout (7.11x).
 
     Args:
       keys, values: float ``[sequences, layers, loops, tokens, kv_heads, head_dim]``, calibration sequences (each
         :func:`jflashloop.paged_cache.prefill`'s input; ``loops >= 2``).
       queries: float ``[sequences, layers, loops, query_tokens, q_heads, head_dim]``, the model's queries on them.
       base_bits, loop_bits: mean key widths of loop 0 and of loop 1's residual (each times ``head_dim`` a multiple
-        of 32).
+        of 32): one for every layer, or a sequence of one per layer.
+      loop_values: loop 1's value codec: None (default) fits ``int4_scaled`` values to the residual
+        (:func:`fitted_values`), a :class:`~jflashloop.CodecSpec` stores it as given; one for every layer, or a
+        sequence of one per layer.
       **config: the other :class:`~jflashloop.CacheConfig` fields (``num_pages``, ``max_sequences``,
         ``max_pages_per_sequence``, ``page_size``, ``sink_tokens``, ``recent_tokens``...); the key groups are a page.
     Returns:
       The config, with per-layer loops (``layer_loops``).
     Raises:
-      ValueError: arrays of other shapes (fewer than 2 loops), widths that are not whole 32-bit rows, or fewer
-        calibration tokens than a key group or a map needs.
+      ValueError: arrays of other shapes (fewer than 2 loops), per-layer sequences of another length than the
+        layers, widths that are not whole 32-bit rows, or fewer calibration tokens than a key group or a map needs.
     """
     keys, values, queries = (np.asarray(x, np.float32) for x in (keys, values, queries))
     if keys.ndim != 6 or values.shape != keys.shape or keys.shape[2] < 2 or queries.ndim != 6 or \
@@ -333,19 +337,50 @@ def fitted_loops(keys, values, queries, *, base_bits: float = 3.5, loop_bits: fl
                          "shape and queries [sequences, layers, loops, query_tokens, q_heads, head_dim], got "
                          f"{keys.shape}, {values.shape}, {queries.shape}")
     _, layers, loops, _, heads, head_dim = keys.shape
+    base_bits, loop_bits = (_per_layer(name, x, layers, _width) for name, x in (("base_bits", base_bits),
+                                                                               ("loop_bits", loop_bits)))
+    loop_values = _per_layer("loop_values", loop_values, layers, _codec_spec)
     shape = CacheConfig(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, **config)
     sinks, group = shape.sink_tokens, shape.page_size
     identity = LoopPrediction.identity(heads, head_dim)
     per_layer = []
     for layer in range(layers):
-        base = LoopStorage(*fitted_codecs(keys[:, layer, 0], values[:, layer, 0], queries[:, layer, 0], base_bits,
-                                          group_size=group, sink_tokens=sinks))
+        base = LoopStorage(*fitted_codecs(keys[:, layer, 0], values[:, layer, 0], queries[:, layer, 0],
+                                          base_bits[layer], group_size=group, sink_tokens=sinks))
         per_layer.append((base, LoopStorage(INT4_KEYS, INT4_VALUES, prediction=identity),
                           *[LoopStorage(INT4_VALUES, INT4_VALUES, 0, prediction=identity)] * (loops - 2)))
     fitted = fit_predicted_loops(dataclasses.replace(shape, loops=per_layer[0]).with_layer_loops(per_layer),
                                  keys, values, loops=[1])
-    fitted = fit_residual_codecs(fitted, keys, values, queries, loop=1, mean_bits=loop_bits)
+    groups: dict[tuple, list[int]] = {}  # layers by their residual's codecs, each group fitted in one pass
+    for layer in range(layers):
+        groups.setdefault((loop_bits[layer], loop_values[layer]), []).append(layer)
+    for (bits, value_spec), chosen in groups.items():
+        fitted = fit_residual_codecs(fitted, keys, values, queries, loop=1, mean_bits=bits, value_spec=value_spec,
+                                     layers=chosen)
     return fit_predicted_loops(fitted, keys, values, loops=range(2, loops))
+
+
+def _per_layer(name: str, value, layers: int, convert) -> tuple:
+    """``convert(value)`` for each of ``layers`` layers: one value for all, or a sequence of one per layer."""
+    if value is None or isinstance(value, CodecSpec) or np.ndim(value) == 0:
+        return (convert(value),) * layers
+    chosen = tuple(convert(x) for x in value)
+    if len(chosen) != layers:
+        raise ValueError(f"{name} must be one value or one per layer ({layers} layers), got {len(chosen)}")
+    return chosen
+
+
+def _width(bits) -> float:
+    try:
+        return float(bits)
+    except (TypeError, ValueError):
+        raise ValueError(f"key widths must be numbers, got {bits!r}") from None
+
+
+def _codec_spec(spec) -> CodecSpec | None:
+    if spec is not None and not isinstance(spec, CodecSpec):
+        raise ValueError(f"loop_values must be None, a CodecSpec or one of those per layer, got {spec!r}")
+    return spec
 
 
 def _calibration_tensors(config: CacheConfig, keys, values) -> tuple[np.ndarray, np.ndarray]:

@@ -549,6 +549,14 @@ BAD_INPUTS = [
      ValueError, "keys and values must be \\[sequences, layers, loops >= 2, tokens, kv_heads, head_dim\\] of one "
                  "shape and queries \\[sequences, layers, loops, query_tokens, q_heads, head_dim\\], got "
                  "\\(1, 1, 1, 8, 1, 16\\), \\(1, 1, 1, 8, 1, 16\\), \\(1, 1, 1, 8, 1, 16\\)"),
+    ("fitting.fitted_loops: per-layer widths of another length than the layers",
+     lambda: jflashloop.fitting.fitted_loops(*np.ones((3, 1, 1, 2, 8, 1, 16)), base_bits=(4, 3), num_pages=4,
+                                             max_sequences=1, max_pages_per_sequence=2),
+     ValueError, "base_bits must be one value or one per layer \\(1 layers\\), got 2"),
+    ("fitting.fitted_loops: a value codec that is not a CodecSpec",
+     lambda: jflashloop.fitting.fitted_loops(*np.ones((3, 1, 1, 2, 8, 1, 16)), loop_values="int3", num_pages=4,
+                                             max_sequences=1, max_pages_per_sequence=2),
+     ValueError, "loop_values must be None, a CodecSpec or one of those per layer, got 'int3'"),
     ("sharding.local_config: a prediction fitted per kv head split over the model axis",
      lambda: jflashloop.sharding.local_config(
          CacheConfig(num_layers=1, num_kv_heads=2, head_dim=16, num_pages=4, max_sequences=1,

@@ -223,9 +223,19 @@ def test_a_predicted_loops_residual_codecs_are_fitted_to_it_and_the_loops_after_
     assert fitted[3][0].prediction != plain[3][0].prediction  # loop 4's is refitted to the fitted loop 2's chain
 
 
-def test_the_fitted_loops_preset_is_the_sweeps_fitted_policy():
-    """``fitting.fitted_loops`` on the calibration windows makes exactly the cache of the sweep's ``fit3.5 · pred
-    fit3.5 · pred · pred`` policy (the fitted base, loop 2's map and residual codecs, then loops 3-4's maps)."""
+PER_LAYER_FITTED = (("fit", "fit3"), ("pred fit", "pred fit3/int3"), "pred", "pred")
+"""A per-layer sweep policy of two layers (the shape of the 7.88x choice): widths 4 and 3 bits for the base, for
+loop 2's residual 4 bits with fitted values and 3 bits with INT3 values."""
+
+
+@pytest.mark.parametrize("policy, per_layer", [
+    (("fit3.5", "pred fit3.5", "pred", "pred"), {}),
+    (PER_LAYER_FITTED, dict(base_bits=(4, 3.0), loop_bits=[4.0, 3], loop_values=(None, CodecSpec("int3", "token", 64)))),
+])
+def test_the_fitted_loops_preset_is_the_sweeps_fitted_policy(policy, per_layer):
+    """``fitting.fitted_loops`` on the calibration windows makes exactly the cache of the sweep's policy (the fitted
+    base, loop 2's map and residual codecs, then loops 3-4's maps): ``fit3.5 · pred fit3.5 · pred · pred`` with one
+    width for all layers, and a per-layer policy with widths and value codecs chosen per layer."""
     from jflashloop import fitting
     from jflashloop.apps.loops.runner import (
         RECENT_TOKENS,
@@ -234,20 +244,29 @@ def test_the_fitted_loops_preset_is_the_sweeps_fitted_policy():
         model_queries,
     )
 
-    params = ouro.init_params(SMALL, jax.random.PRNGKey(0))
-    held_out = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4000).astype(np.uint8)
+    model = SMALL if not per_layer else dataclasses.replace(SMALL, layers=2)
+    params = ouro.init_params(model, jax.random.PRNGKey(0))
+    held_out = np.random.default_rng(0).integers(0, model.vocab_size, 4000).astype(np.uint8)
     settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,), query_positions=4)
-    policy = ("fit3.5", "pred fit3.5", "pred", "pred")
-    fitted = policies.fitted_specs(params, SMALL, held_out, [policy], settings)
-    predicted = policies.fitted_predicted_loops(params, SMALL, held_out, policy, settings, fitted)
-    swept = policies.policy_config(policy, SMALL, 2, 140, fitted=fitted, predicted=predicted)
+    fitted = policies.fitted_specs(params, model, held_out, [policy], settings)
+    predicted = policies.fitted_predicted_loops(params, model, held_out, policy, settings, fitted)
+    swept = policies.policy_config(policy, model, 2, 140, fitted=fitted, predicted=predicted)
     token_ids = jax.numpy.asarray(held_out_windows(held_out, 2, 140, policies.CALIBRATION_SEED))
-    _, keys, values, _ = _forward(params, SMALL, token_ids)
-    queries = model_queries(params, SMALL, token_ids, 32)
+    _, keys, values, _ = _forward(params, model, token_ids)
+    queries = model_queries(params, model, token_ids, 32)
     preset = fitting.fitted_loops(*(np.asarray(x).transpose(2, 1, 0, 3, 4, 5) for x in (keys, values, queries)),
                                   num_pages=swept.num_pages, max_sequences=2,
-                                  max_pages_per_sequence=swept.max_pages_per_sequence, recent_tokens=RECENT_TOKENS)
+                                  max_pages_per_sequence=swept.max_pages_per_sequence, recent_tokens=RECENT_TOKENS,
+                                  **per_layer)
     assert preset == swept
+    if per_layer:  # the layers differ as chosen
+        first, second = (preset.layer(layer).loops for layer in (0, 1))
+        assert first[0].key_spec.bits_per_element() == 4.5 and second[0].key_spec.bits_per_element() == 3.5
+        assert first[1].value_spec.format == "int4_scaled" and second[1].value_spec == CodecSpec("int3", "token", 64)
+        with pytest.raises(ValueError, match="one per layer"):
+            fitting.fitted_loops(*(np.asarray(x).transpose(2, 1, 0, 3, 4, 5) for x in (keys, values, queries)),
+                                 num_pages=4, max_sequences=1, max_pages_per_sequence=4, base_bits=(4, 3, 3))
+        return
     loops_ = preset.layer(0).loops
     assert [loop.key_spec.format for loop in loops_[:2]] == ["int_mixed"] * 2
     assert [loop.prediction is not None for loop in loops_] == [False, True, True, True]
