@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...models.checkpoint import load_checkpoint
 from ...models.stdlib_text import default_root, load_corpus
-from . import policies
+from . import allocation, policies
 from .report import describe_inputs, format_report
 from .runner import DEFAULT_CHECKPOINT, ReportSettings, run_report
 
@@ -41,21 +41,47 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --policies: one batch of --sequences windows per seed (default: --seed)")
     parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
                         help="with --policies: only these policies (names of policies.POLICIES)")
+    parser.add_argument("--allocate", type=float, nargs="+", default=None, metavar="BYTES",
+                        help="(a --policies run) loops 1-2 chosen per layer on calibration windows in at most BYTES "
+                             "full-page bytes a token (jflashloop.apps.loops.allocation), measured beside "
+                             "--only's policies (default: flashloop)")
     return parser.parse_args(argv)
+
+
+def allocated_policies(args, checkpoint, corpus, settings, log) -> tuple[dict, str]:
+    """``--allocate``: ``({name: policy}, markdown)``, the per-layer choices and their calibration errors."""
+    model = checkpoint.config
+    found = allocation.sensitivity(checkpoint.params, model, corpus.held_out, settings, log=log)
+    chosen, lines = {}, [
+        f"Allocated on the calibration windows (seed {policies.CALIBRATION_SEED}; FlashLoop's errors there: loop 1 "
+        f"{found.flashloop[0]:.4f}, loop 2 {found.flashloop[1]:.4f}):", "",
+        "| budget bytes/token | base per layer | loop 2 per layer | loop 1 / loop 2 calibration error | "
+        "`fitting.fitted_loops` arguments |", "|---|---|---|---|---|"]
+    for budget in args.allocate:
+        bases, residuals = allocation.choose(found, budget)
+        name = f"allocated {budget:g} bytes"
+        chosen[name] = allocation.candidate_policy(model, bases, residuals)
+        first, second = allocation.calibration_errors(found, bases, residuals)
+        arguments = ", ".join(f"{key}={value}" for key, value in
+                              allocation.fitted_loops_arguments(bases, residuals).items())
+        lines.append(f"| {budget:g} | {', '.join(bases)} | {', '.join(residuals)} | {first:.4f} / {second:.4f} | "
+                     f"{arguments} |")
+    return chosen, "\n".join(lines) + "\n\n"
 
 
 def run_policies(args, checkpoint, corpus) -> str:
     """``--policies``: the sweep of :mod:`jflashloop.apps.loops.policies` as markdown."""
-    names = args.only or list(policies.POLICIES)
+    names = args.only or (["flashloop"] if args.allocate else list(policies.POLICIES))
     unknown = [name for name in names if name not in policies.POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {list(policies.POLICIES)}")
     settings = policies.SweepSettings(tokens=args.tokens, prompt_tokens=args.prompt_tokens,
                                       sequences=args.sequences, seeds=tuple(args.seeds or (args.seed,)))
     log = (lambda message: None) if args.no_progress else (lambda message: print(message, file=sys.stderr))
+    chosen, preface = allocated_policies(args, checkpoint, corpus, settings, log) if args.allocate else ({}, "")
     results = policies.sweep(checkpoint.params, checkpoint.config, corpus.held_out, settings,
-                             {name: policies.POLICIES[name] for name in names}, log=log)
-    return policies.format_table(results)
+                             {**{name: policies.POLICIES[name] for name in names}, **chosen}, log=log)
+    return preface + policies.format_table(results)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{checkpoint.config.max_position}", file=sys.stderr)
         return 2
     corpus = load_corpus(args.stdlib)
-    if args.policies:
+    if args.policies or args.allocate:
         try:
             report = run_policies(args, checkpoint, corpus)
         except ValueError as error:

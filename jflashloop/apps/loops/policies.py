@@ -377,18 +377,27 @@ def reference_run(params, model: ouro.OuroConfig, held_out: np.ndarray, settings
             "queries": np.asarray(queries)}
 
 
-def measure(params, model: ouro.OuroConfig, policy: tuple[Entry, ...], reference: dict[str, Any],
-            settings: SweepSettings, fitted: dict | None = None, predicted: dict | None = None
-            ) -> dict[str, np.ndarray]:
-    """``kl`` float64 ``[sequences]`` (mean over teacher-forced steps) and ``attention`` ``[loops]`` (mean over layers)."""
+def prefilled_errors(model: ouro.OuroConfig, policy: tuple[Entry, ...], reference: dict[str, Any],
+                     settings: SweepSettings, fitted: dict | None = None, predicted: dict | None = None):
+    """``(cache, attention)``: the reference windows' prompts prefilled into the policy's cache, and each loop's and
+    layer's attention error, float64 ``[loops, layers]`` (:func:`~jflashloop.apps.loops.metrics.attention_errors`,
+    the model's queries at the prompt's last ``settings.query_positions`` positions)."""
     config = policy_config(policy, model, settings.sequences, settings.tokens, fitted=fitted, predicted=predicted)
     prompt = settings.prompt_tokens
     keys, values = reference["keys"][:, :, :, :prompt], reference["values"][:, :, :, :prompt]
     cache = prefill_cross_loop_cache(config, keys, values)
     stored_keys, stored_values = reconstruct_every_loop(cache, settings.sequences, prompt)
     positions = np.arange(prompt - settings.query_positions, prompt)
-    attention = attention_errors(reference["queries"], np.asarray(keys), np.asarray(values),
-                                 np.asarray(stored_keys), np.asarray(stored_values), positions)
+    return cache, attention_errors(reference["queries"], np.asarray(keys), np.asarray(values),
+                                   np.asarray(stored_keys), np.asarray(stored_values), positions)
+
+
+def measure(params, model: ouro.OuroConfig, policy: tuple[Entry, ...], reference: dict[str, Any],
+            settings: SweepSettings, fitted: dict | None = None, predicted: dict | None = None
+            ) -> dict[str, np.ndarray]:
+    """``kl`` float64 ``[sequences]`` (mean over teacher-forced steps) and ``attention`` ``[loops]`` (mean over layers)."""
+    cache, attention = prefilled_errors(model, policy, reference, settings, fitted, predicted)
+    prompt = settings.prompt_tokens
     hook = looped_paged_attention_hook(model.layers, model.loops)
     logits, _ = decode_tokens(params, model, hook, cache, reference["token_ids"][:, prompt:], prompt)
     kl = kl_divergence(reference["bf16_logits"], logits).mean(axis=0)

@@ -1,0 +1,94 @@
+"""``jflashloop loops --allocate``: a looped model's two dense loops chosen per layer (jflashloop.apps.loops.allocation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from jflashloop import CodecSpec
+from jflashloop.apps.loops import allocation, policies
+from jflashloop.models import ouro
+
+
+def synthetic(rng, layers=3) -> allocation.Sensitivity:
+    residuals = len(allocation.residual_entries())
+    return allocation.Sensitivity(
+        base_errors=rng.uniform(0.02, 0.08, (layers, len(allocation.BASES))),
+        residual_errors=rng.uniform(0.02, 0.08, (layers, residuals)),
+        base_bits=np.array([4.5, 4.25, 4.0]),
+        residual_bits=rng.choice([3.5, 3.75, 4.0, 4.25, 4.5, 5.0, 5.5], residuals),
+        flashloop=(0.045, 0.046), elements=2 * 4 * 64)
+
+
+@pytest.mark.parametrize("bytes_per_token", [1550, 1650, 1800, 2000])
+def test_the_choice_is_the_least_normalized_error_within_the_budget(bytes_per_token):
+    """Against every per-layer assignment of (base, residual) pairs: none within the budget has a smaller sum of
+    loop-1 errors over FlashLoop's plus loop-2 errors over FlashLoop's."""
+    found = synthetic(np.random.default_rng(bytes_per_token))
+    layers = found.base_errors.shape[0]
+    residuals = allocation.residual_entries()
+    pairs = list(itertools.product(range(len(allocation.BASES)), range(len(residuals))))
+
+    def score(choice):
+        return sum(found.base_errors[layer, b] / 0.045 + found.residual_errors[layer, r] / 0.046
+                   for layer, (b, r) in enumerate(choice))
+
+    def cost(choice):  # full-page bytes a token over the layers
+        return sum(found.base_bits[b] + found.residual_bits[r] for b, r in choice) * found.elements / 8
+
+    feasible = [choice for choice in itertools.product(pairs, repeat=layers) if cost(choice) <= bytes_per_token]
+    bases, chosen = allocation.choose(found, bytes_per_token)
+    choice = [(allocation.BASES.index(b), residuals.index(r)) for b, r in zip(bases, chosen, strict=True)]
+    assert cost(choice) <= bytes_per_token
+    assert score(choice) <= min(score(c) for c in feasible) + 1e-9
+    first, second = allocation.calibration_errors(found, bases, chosen)
+    assert first == pytest.approx(np.mean([found.base_errors[layer, b] for layer, (b, _) in enumerate(choice)]))
+    assert second == pytest.approx(np.mean([found.residual_errors[layer, r] for layer, (_, r) in enumerate(choice)]))
+
+
+def test_a_budget_below_the_cheapest_pairs_is_refused():
+    found = synthetic(np.random.default_rng(0))
+    cheapest = 3 * (found.base_bits.min() + found.residual_bits.min()) * found.elements / 8
+    allocation.choose(found, cheapest)
+    with pytest.raises(ValueError, match="below the cheapest assignment"):
+        allocation.choose(found, cheapest - 8)
+
+
+def test_the_choice_as_fitted_loops_arguments():
+    bases = ("fit", "fit3", "fit3.5")
+    residuals = ("pred fit", "pred fit3/int3", "pred fit4.5/int4")
+    assert allocation.fitted_loops_arguments(bases, residuals) == dict(
+        base_bits=(4.0, 3.0, 3.5), loop_bits=(4.0, 3.0, 4.5),
+        loop_values=(None, CodecSpec("int3", "token", 64), CodecSpec("int4", "token", 64)))
+    assert all(entry in allocation.residual_entries() for entry in residuals)
+
+
+def test_sensitivity_and_the_chosen_policy_on_a_small_model(monkeypatch):
+    """Per-layer calibration errors of every candidate (two bases and two residuals here), and a chosen policy that
+    builds its cache: the budget of the cheapest pairs takes the narrowest codecs in every layer."""
+    monkeypatch.setattr(allocation, "BASES", ("fit", "fit3"))
+    monkeypatch.setattr(allocation, "RESIDUAL_KEYS", ("fit3",))
+    monkeypatch.setattr(allocation, "RESIDUAL_VALUES", ("fit", "int3"))
+    model = dataclasses.replace(ouro.OuroConfig.tiny(), layers=2, kv_heads=2)
+    params = ouro.init_params(model, jax.random.PRNGKey(0))
+    held_out = np.random.default_rng(0).integers(0, model.vocab_size, 4000).astype(np.uint8)
+    settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,), query_positions=4)
+    messages = []
+    found = allocation.sensitivity(params, model, held_out, settings, log=messages.append)
+    assert found.base_errors.shape == (2, 2) and found.residual_errors.shape == (2, 2) and len(messages) == 2 + 2 + 1
+    assert np.all(found.base_errors > 0) and np.all(found.residual_errors > 0) and min(found.flashloop) > 0
+    assert np.all(found.base_errors[:, 1] > found.base_errors[:, 0])  # 3-bit keys lose more than 4-bit ones
+    np.testing.assert_array_equal(found.base_bits, [4.5, 4.0])  # mean key width + 0.5, int4_scaled values
+    np.testing.assert_array_equal(found.residual_bits, [4.0, 3.5])
+    assert found.elements == 2 * 2 * 64
+    cheapest = 2 * (4.0 + 3.5) * found.elements / 8
+    policy = allocation.chosen_policy(model, found, cheapest)
+    assert policy == (("fit3", "fit3"), ("pred fit3/int3", "pred fit3/int3"), "pred", "pred")
+    fitted = policies.fitted_specs(params, model, held_out, [policy], settings)
+    predicted = policies.fitted_predicted_loops(params, model, held_out, policy, settings, fitted)
+    config = policies.policy_config(policy, model, 1, 64, fitted=fitted, predicted=predicted)
+    assert policies.bytes_per_token(config)[0] == cheapest
