@@ -467,7 +467,8 @@ def _gluon(queries, cache, layer, loop, *, include_pending, scale, kernel_config
     inputs = kernel_inputs(cache, layer, loop, include_pending)
     queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, loop, inputs, plan)
     queries, windows, window_loop = predicted_inputs(queries, windows, window_loop, plan)
-    windows = float16_windows(windows)
+    if plan.prediction is not None or plan.key_seed is not None or plan.value_seed is not None:
+        windows = float16_windows(windows)  # moved: this loop's windows alone, float32
     options = {}
     if kernel_config is not None:
         options = dict(splits=kernel_config.num_splits, target_programs=kernel_config.target_programs)
