@@ -34,16 +34,6 @@ HIGHEST = jax.lax.Precision.HIGHEST
 REPEATS = 48
 
 
-def split_bf16(matrix):
-    """float ``[..., D, E]`` (numpy) as bfloat16 ``[..., D, 2E]``: the rounded matrix and what rounding left."""
-    import ml_dtypes
-
-    matrix = np.asarray(matrix, np.float32)
-    high = matrix.astype(ml_dtypes.bfloat16)
-    low = (matrix - high.astype(np.float32)).astype(ml_dtypes.bfloat16)
-    return jnp.asarray(np.concatenate([high, low], axis=-1))
-
-
 def tables_of(plan):
     key_table, value_table = (np.asarray(t, np.float64) for t in plan.prediction.tables())
     inverses = [np.linalg.inv(t[:, :-1]) for t in (key_table, value_table)]
@@ -59,110 +49,100 @@ def maps_library(plan):
     return run
 
 
-def maps_shifted(plan):
-    """The maps as first shipped: each window shifted, then one float32 product at full precision; the query's
-    and the output's at full precision too."""
+WINDOWS = ("sink_keys", "ring_keys", "sink_values", "ring_values")
+
+
+def query_and_output_maps(plan, precision):
+    """``(query map, output map)`` at ``precision``: ``M q`` and ``out M_v + b_v`` (the bias where a sequence
+    sees a token)."""
+    key_table, value_table, _, _ = tables_of(plan)
+    heads = plan.prediction.num_kv_heads
+
+    def query_map(queries):
+        sequences, q_heads, head_dim = queries.shape
+        grouped = queries.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)
+        return jnp.einsum("hde,shge->shgd", jnp.asarray(key_table[:, :-1], jnp.float32), grouped,
+                          precision=precision).reshape(sequences, q_heads, head_dim)
+
+    def output_map(output, bounds):
+        sequences, q_heads, head_dim = output.shape
+        out = jnp.einsum("shgd,hde->shge", output.reshape(sequences, heads, q_heads // heads, head_dim),
+                         jnp.asarray(value_table[:, :-1], jnp.float32), precision=precision)
+        bias = jnp.asarray(value_table[:, -1], jnp.float32)[None, :, None]
+        out = out + jnp.where((bounds[:, 0] > 0)[:, None, None, None], bias, 0.0)
+        return out.reshape(sequences, q_heads, head_dim)
+
+    return query_map, output_map
+
+
+def moved_window(array, inverse, bias, how, precision):
+    """One window ``[1, S, H, T, D]`` moved: ``(x - b) M^-1``, by ``how``: ``"shifted"`` (shift, then one float32
+    product at ``precision``), ``"folded"`` (``x M^-1 - b M^-1``, the product at ``precision``), ``"split"`` /
+    ``"split-bf16"`` (folded; one product of bfloat16 values against the inverse split in two bfloat16 halves, float32
+    operands / bfloat16 ones with float32 sums) or ``"reduce"`` (folded; a broadcast product and sum, no matrix unit)."""
+    head_dim, shift = array.shape[-1], np.einsum("hd,hde->he", bias, inverse)
+    if how == "shifted":
+        shifted = array.astype(jnp.float32) - jnp.asarray(bias, jnp.float32)[:, None]
+        return jnp.einsum("lshtd,hde->lshte", shifted, jnp.asarray(inverse, jnp.float32), precision=precision)
+    if how == "reduce":
+        product = jnp.sum(array.astype(jnp.float32)[..., None] * jnp.asarray(inverse, jnp.float32)[:, None], axis=-2)
+    elif how == "split-bf16":
+        both = jnp.einsum("lshtd,hde->lshte", array, ops._split_bfloat16(inverse), preferred_element_type=jnp.float32)
+        product = both[..., :head_dim] + both[..., head_dim:]
+    elif how == "split":
+        both = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32), ops._split_bfloat16(inverse).astype(jnp.float32))
+        product = both[..., :head_dim] + both[..., head_dim:]
+    else:
+        product = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32), jnp.asarray(inverse, jnp.float32),
+                             precision=precision)
+    return product - jnp.asarray(shift, jnp.float32)[:, None]
+
+
+def maps_each(plan, how, window_precision, query_precision):
+    """Each window moved on its own (:func:`moved_window`), the query and output maps at ``query_precision``."""
     key_table, value_table, inverses, _ = tables_of(plan)
-    heads = plan.prediction.num_kv_heads
+    biases = (key_table[:, -1], value_table[:, -1])
+    query_map, output_map = query_and_output_maps(plan, query_precision)
 
     def run(queries, windows, bounds):
-        sequences, q_heads, head_dim = queries.shape
-        grouped = queries.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)
-        q = jnp.einsum("hde,shge->shgd", jnp.asarray(key_table[:, :-1], jnp.float32), grouped,
-                       precision=HIGHEST).reshape(sequences, q_heads, head_dim)
-        moved = {}
-        for name, table, inverse in (("sink_keys", key_table, inverses[0]), ("ring_keys", key_table, inverses[0]),
-                                     ("sink_values", value_table, inverses[1]),
-                                     ("ring_values", value_table, inverses[1])):
-            shifted = windows[name].astype(jnp.float32) - jnp.asarray(table[:, -1], jnp.float32)[:, None]
-            moved[name] = jnp.einsum("lshtd,hde->lshte", shifted, jnp.asarray(inverse, jnp.float32),
-                                     precision=HIGHEST)
-        out = jnp.einsum("shgd,hde->shge", q.reshape(sequences, heads, q_heads // heads, head_dim),
-                         jnp.asarray(value_table[:, :-1], jnp.float32), precision=HIGHEST)
-        seen = bounds[:, 0] > 0
-        out = out + jnp.where(seen[:, None, None, None], jnp.asarray(value_table[:, -1], jnp.float32)[None, :, None],
-                              0.0)
-        return q, moved, out.reshape(sequences, q_heads, head_dim)
-    return run
-
-
-def maps_folded(plan, window_precision, query_precision, split_windows):
-    """Shift folded into a constant (``(x - b) M^-1 = x M^-1 - b M^-1``); windows through ``split_windows``
-    (the bfloat16 matrix and its remainder in one bfloat16 product: exact for bfloat16 windows) or at
-    ``window_precision``; the query and output maps at ``query_precision``."""
-    key_table, value_table, inverses, shifts = tables_of(plan)
-    heads = plan.prediction.num_kv_heads
-
-    def run(queries, windows, bounds):
-        sequences, q_heads, head_dim = queries.shape
-        grouped = queries.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)
-        q = jnp.einsum("hde,shge->shgd", jnp.asarray(key_table[:, :-1], jnp.float32), grouped,
-                       precision=query_precision).reshape(sequences, q_heads, head_dim)
-        moved = {}
-        for name, inverse, shift in (("sink_keys", inverses[0], shifts[0]), ("ring_keys", inverses[0], shifts[0]),
-                                     ("sink_values", inverses[1], shifts[1]),
-                                     ("ring_values", inverses[1], shifts[1])):
-            array = windows[name]
-            if split_windows == "reduce":  # a broadcast product and sum (one fusion, no matrix unit)
-                product = jnp.sum(array.astype(jnp.float32)[..., None] * jnp.asarray(inverse, jnp.float32)[:, None],
-                                  axis=-2)
-            elif split_windows:
-                both = jnp.einsum("lshtd,hde->lshte", array, split_bf16(inverse),
-                                  preferred_element_type=jnp.float32) if split_windows == "bf16" else \
-                    jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32), split_bf16(inverse).astype(jnp.float32))
-                product = both[..., :head_dim] + both[..., head_dim:]
-            else:
-                product = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32),
-                                     jnp.asarray(inverse, jnp.float32), precision=window_precision)
-            moved[name] = product - jnp.asarray(shift, jnp.float32)[:, None]
-        out = jnp.einsum("shgd,hde->shge", q.reshape(sequences, heads, q_heads // heads, head_dim),
-                         jnp.asarray(value_table[:, :-1], jnp.float32), precision=query_precision)
-        seen = bounds[:, 0] > 0
-        out = out + jnp.where(seen[:, None, None, None], jnp.asarray(value_table[:, -1], jnp.float32)[None, :, None],
-                              0.0)
-        return q, moved, out.reshape(sequences, q_heads, head_dim)
+        q = query_map(queries)
+        moved = {name: moved_window(windows[name], inverses[name.endswith("values")],
+                                    biases[name.endswith("values")], how, window_precision) for name in WINDOWS}
+        return q, moved, output_map(q, bounds)
     return run
 
 
 def maps_stacked(plan):
     """All four windows in one product: sink and ring joined along the tokens, keys and values stacked, against
     the two split inverses (bfloat16 values, float32 sums); the query and output maps at ``HIGH``."""
-    key_table, value_table, inverses, shifts = tables_of(plan)
-    heads = plan.prediction.num_kv_heads
-    split = jnp.stack([split_bf16(inverse) for inverse in inverses]).astype(jnp.float32)  # [2, H, D, 2D]
+    _, _, inverses, shifts = tables_of(plan)
+    query_map, output_map = query_and_output_maps(plan, jax.lax.Precision.HIGH)
+    split = jnp.stack([ops._split_bfloat16(inverse) for inverse in inverses]).astype(jnp.float32)  # [2, H, D, 2D]
     shift = jnp.asarray(np.stack(shifts), jnp.float32)  # [2, H, D]
 
     def run(queries, windows, bounds):
-        sequences, q_heads, head_dim = queries.shape
-        grouped = queries.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)
-        q = jnp.einsum("hde,shge->shgd", jnp.asarray(key_table[:, :-1], jnp.float32), grouped,
-                       precision=jax.lax.Precision.HIGH).reshape(sequences, q_heads, head_dim)
-        sink = windows["sink_keys"].shape[3]
+        q, head_dim, sink = query_map(queries), queries.shape[-1], windows["sink_keys"].shape[3]
         joined = jnp.stack([jnp.concatenate([windows["sink_keys"], windows["ring_keys"]], axis=3)[0],
                             jnp.concatenate([windows["sink_values"], windows["ring_values"]], axis=3)[0]])
         both = jnp.einsum("kshtd,khde->kshte", joined.astype(jnp.float32), split)
         moved_all = both[..., :head_dim] + both[..., head_dim:] - shift[:, None, :, None]
         moved = {"sink_keys": moved_all[0:1, :, :, :sink], "ring_keys": moved_all[0:1, :, :, sink:],
                  "sink_values": moved_all[1:2, :, :, :sink], "ring_values": moved_all[1:2, :, :, sink:]}
-        out = jnp.einsum("shgd,hde->shge", q.reshape(sequences, heads, q_heads // heads, head_dim),
-                         jnp.asarray(value_table[:, :-1], jnp.float32), precision=jax.lax.Precision.HIGH)
-        seen = bounds[:, 0] > 0
-        out = out + jnp.where(seen[:, None, None, None], jnp.asarray(value_table[:, -1], jnp.float32)[None, :, None],
-                              0.0)
-        return q, moved, out.reshape(sequences, q_heads, head_dim)
+        return q, moved, output_map(q, bounds)
     return run
 
 
 def formulations(plan):
+    high = jax.lax.Precision.HIGH
     return {
         "library": maps_library(plan),
-        "shifted-highest": maps_shifted(plan),
-        "folded-highest": maps_folded(plan, HIGHEST, HIGHEST, False),
-        "folded-high": maps_folded(plan, jax.lax.Precision.HIGH, jax.lax.Precision.HIGH, False),
-        "split-high": maps_folded(plan, None, jax.lax.Precision.HIGH, True),
-        "split-highest": maps_folded(plan, None, HIGHEST, True),
-        "split-bf16-high": maps_folded(plan, None, jax.lax.Precision.HIGH, "bf16"),
-        "reduce-high": maps_folded(plan, None, jax.lax.Precision.HIGH, "reduce"),
+        "shifted-highest": maps_each(plan, "shifted", HIGHEST, HIGHEST),  # the first shipped maps
+        "folded-highest": maps_each(plan, "folded", HIGHEST, HIGHEST),
+        "folded-high": maps_each(plan, "folded", high, high),
+        "split-high": maps_each(plan, "split", None, high),
+        "split-highest": maps_each(plan, "split", None, HIGHEST),
+        "split-bf16-high": maps_each(plan, "split-bf16", None, high),
+        "reduce-high": maps_each(plan, "reduce", None, high),
         "stacked": maps_stacked(plan),
     }
 
