@@ -18,6 +18,9 @@ is at most FlashLoop's (0.045), then loop 2's per-layer codecs of least mean err
 errors of that choice are printed beside it.
 
 A second table ("balanced") chooses by the least ``max(loop-1 error / 0.045, loop-2 error / 0.046)`` instead.
+``jflashloop loops --allocate BYTES`` makes such a choice for any looped checkpoint (the exact knapsack of
+``jflashloop.allocation`` at each of several weights of the two loops, :mod:`jflashloop.apps.loops.allocation`) and
+measures it on held-out windows.
 
 Usage: ``python bench/loop2_allocation_probe.py [--budgets 2176 2112 2080 2048]`` (about 10 minutes on 2 CPU cores).
 """

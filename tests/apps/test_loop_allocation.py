@@ -24,24 +24,24 @@ def synthetic(rng, layers=3) -> allocation.Sensitivity:
         flashloop=(0.045, 0.046), elements=2 * 4 * 64)
 
 
-@pytest.mark.parametrize("bytes_per_token", [1550, 1650, 1800, 2000])
-def test_the_choice_is_the_least_normalized_error_within_the_budget(bytes_per_token):
+@pytest.mark.parametrize("bytes_per_token, weight", [(1550, 1.0), (1650, 0.5), (1800, 2.0), (2000, 1.0)])
+def test_a_weighted_choice_is_the_least_weighted_error_within_the_budget(bytes_per_token, weight):
     """Against every per-layer assignment of (base, residual) pairs: none within the budget has a smaller sum of
-    loop-1 errors over FlashLoop's plus loop-2 errors over FlashLoop's."""
+    ``weight x`` loop-1 errors over FlashLoop's plus loop-2 errors over FlashLoop's."""
     found = synthetic(np.random.default_rng(bytes_per_token))
     layers = found.base_errors.shape[0]
     residuals = allocation.residual_entries()
     pairs = list(itertools.product(range(len(allocation.BASES)), range(len(residuals))))
 
     def score(choice):
-        return sum(found.base_errors[layer, b] / 0.045 + found.residual_errors[layer, r] / 0.046
+        return sum(weight * found.base_errors[layer, b] / 0.045 + found.residual_errors[layer, r] / 0.046
                    for layer, (b, r) in enumerate(choice))
 
     def cost(choice):  # full-page bytes a token over the layers
         return sum(found.base_bits[b] + found.residual_bits[r] for b, r in choice) * found.elements / 8
 
     feasible = [choice for choice in itertools.product(pairs, repeat=layers) if cost(choice) <= bytes_per_token]
-    bases, chosen = allocation.choose(found, bytes_per_token)
+    bases, chosen = allocation.pairs_entries(allocation.weighted_choice(found, bytes_per_token, weight))
     choice = [(allocation.BASES.index(b), residuals.index(r)) for b, r in zip(bases, chosen, strict=True)]
     assert cost(choice) <= bytes_per_token
     assert score(choice) <= min(score(c) for c in feasible) + 1e-9
@@ -50,12 +50,29 @@ def test_the_choice_is_the_least_normalized_error_within_the_budget(bytes_per_to
     assert second == pytest.approx(np.mean([found.residual_errors[layer, r] for layer, (_, r) in enumerate(choice)]))
 
 
+def test_the_choice_brings_the_larger_loop_error_lowest_among_the_weights():
+    """``choose`` is the weighted choice, among every weight tried, whose larger loop error over FlashLoop's is
+    least (on errors where some weights lead to a worse one)."""
+    found, budget = synthetic(np.random.default_rng(2)), 1650
+
+    def larger(bases, residuals):
+        first, second = allocation.calibration_errors(found, bases, residuals)
+        return max(first / 0.045, second / 0.046)
+
+    chosen = allocation.choose(found, budget)
+    tried = [allocation.pairs_entries(allocation.weighted_choice(found, budget, w)) for w in allocation.WEIGHTS]
+    assert larger(*chosen) == min(larger(*t) for t in tried)
+    assert max(larger(*t) for t in tried) > larger(*chosen) + 0.05  # the weights lead elsewhere
+
+
 def test_a_budget_below_the_cheapest_pairs_is_refused():
     found = synthetic(np.random.default_rng(0))
     cheapest = 3 * (found.base_bits.min() + found.residual_bits.min()) * found.elements / 8
     allocation.choose(found, cheapest)
     with pytest.raises(ValueError, match="below the cheapest assignment"):
         allocation.choose(found, cheapest - 8)
+    with pytest.raises(ValueError, match="below the cheapest assignment"):
+        allocation.weighted_choice(found, cheapest - 8)
 
 
 def test_the_choice_as_fitted_loops_arguments():

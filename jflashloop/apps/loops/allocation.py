@@ -9,9 +9,10 @@ choices in every layer: the base's codecs and loop 2's residual codecs. On the c
    codec) and each residual candidate's loop-2 error per layer (:func:`residual_entries`: keys fitted at a mean
    width of :data:`RESIDUAL_KEYS`, values fitted or INT4 or INT3 G64; measured over the ``fit`` base, so loop 2's
    errors are those of one base), beside FlashLoop's policy's mean loop-1 and loop-2 errors;
-2. :func:`choose`: :func:`jflashloop.allocation.allocate` over the per-layer pairs (base, residual), the least sum
-   over layers of each loop's error divided by FlashLoop's (so the two loops weigh as much as FlashLoop's errors
-   do), with the two loops' full-page bytes per token, every layer, at most the budget.
+2. :func:`choose`: the per-layer pairs (base, residual) that bring both loops closest under FlashLoop's errors, the
+   least ``max(loop-1 error / FlashLoop's, loop-2 error / FlashLoop's)`` (means over layers) among the exact
+   knapsacks of :func:`weighted_choice` for loop-1 weights from 1/8 to 8 (:data:`WEIGHTS`), with the two loops'
+   full-page bytes per token, every layer, at most the budget.
 
 The chosen policies (one entry per layer for loops 1-2, ``"pred"`` after) are measured with FlashLoop's on the
 held-out windows by the sweep (:func:`~jflashloop.apps.loops.policies.sweep`); :func:`fitted_loops_arguments`
@@ -103,22 +104,49 @@ def sensitivity(params, model: ouro.OuroConfig, held_out: np.ndarray, settings: 
         elements=2 * model.kv_heads * model.head_dim)
 
 
-def choose(found: Sensitivity, bytes_per_token: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(bases, residuals)``, one entry per layer: the pairs of least summed normalized error (module docstring,
-    step 2) whose two loops store at most ``bytes_per_token`` full-page bytes a token over all layers.
+WEIGHTS = tuple(float(w) for w in np.geomspace(1 / 8, 8, 25))
+"""Loop 1's weights (against loop 2's 1, each error over FlashLoop's) that :func:`choose` tries."""
+
+
+def weighted_choice(found: Sensitivity, bytes_per_token: float, weight: float = 1.0) -> np.ndarray:
+    """int64 ``[layers]``: indices into the ``[bases x residuals]`` pairs of :func:`jflashloop.allocation.allocate`'s
+    exact choice: the least sum over layers of ``weight x`` loop 1's error over FlashLoop's plus loop 2's over
+    FlashLoop's, the two loops storing at most ``bytes_per_token`` full-page bytes a token over all layers.
 
     Raises:
       ValueError: a budget below the cheapest pairs.
     """
     layers = found.base_errors.shape[0]
-    residuals = residual_entries()
-    errors = (found.base_errors[:, :, None] / found.flashloop[0]
+    errors = (weight * found.base_errors[:, :, None] / found.flashloop[0]
               + found.residual_errors[:, None, :] / found.flashloop[1])  # [layers, bases, residuals]
     bits = found.base_bits[:, None] + found.residual_bits[None, :]  # both loops' bits per element
-    budget = 8 * bytes_per_token / (layers * found.elements)
-    picks = allocation.allocate(errors.reshape(layers, -1), bits.reshape(-1), budget)
-    count = len(residuals)
-    return (tuple(BASES[p // count] for p in picks), tuple(residuals[p % count] for p in picks))
+    return allocation.allocate(errors.reshape(layers, -1), bits.reshape(-1),
+                               8 * bytes_per_token / (layers * found.elements))
+
+
+def pairs_entries(picks) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(bases, residuals)`` entries of pair indices (:func:`weighted_choice`)."""
+    residuals = residual_entries()
+    return (tuple(BASES[p // len(residuals)] for p in picks), tuple(residuals[p % len(residuals)] for p in picks))
+
+
+def choose(found: Sensitivity, bytes_per_token: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(bases, residuals)``, one entry per layer, within ``bytes_per_token`` (module docstring, step 2): of the
+    :func:`weighted_choice` for each of :data:`WEIGHTS`, the least larger loop error over FlashLoop's (ties: the
+    smaller sum of both).
+
+    Raises:
+      ValueError: a budget below the cheapest pairs.
+    """
+    best = None
+    for weight in WEIGHTS:
+        bases, residuals = pairs_entries(weighted_choice(found, bytes_per_token, weight))
+        first, second = calibration_errors(found, bases, residuals)
+        ratios = (first / found.flashloop[0], second / found.flashloop[1])
+        key = (max(ratios), sum(ratios))
+        if best is None or key < best[0]:
+            best = (key, bases, residuals)
+    return best[1], best[2]
 
 
 def chosen_policy(model: ouro.OuroConfig, found: Sensitivity, bytes_per_token: float) -> tuple:
