@@ -109,3 +109,14 @@ def test_sensitivity_and_the_chosen_policy_on_a_small_model(monkeypatch):
     predicted = policies.fitted_predicted_loops(params, model, held_out, policy, settings, fitted)
     config = policies.policy_config(policy, model, 1, 64, fitted=fitted, predicted=predicted)
     assert policies.bytes_per_token(config)[0] == cheapest
+
+
+def test_the_printed_arguments_are_python():
+    """The command prints each per-layer argument as ``fitting.fitted_loops`` takes it."""
+    from jflashloop.apps.loops import cli
+
+    arguments = allocation.fitted_loops_arguments(("fit", "fit3"), ("pred fit", "pred fit3/int3"))
+    printed = {key: cli._short(value) for key, value in arguments.items()}
+    assert printed == {"base_bits": "(4.0, 3.0)", "loop_bits": "(4.0, 3.0)",
+                       "loop_values": '(None, CodecSpec("int3", "token", 64))'}
+    assert eval(printed["loop_values"], {"CodecSpec": CodecSpec}) == arguments["loop_values"]

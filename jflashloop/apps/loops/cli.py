@@ -62,11 +62,19 @@ def allocated_policies(args, checkpoint, corpus, settings, log) -> tuple[dict, s
         name = f"allocated {budget:g} bytes"
         chosen[name] = allocation.candidate_policy(model, bases, residuals)
         first, second = allocation.calibration_errors(found, bases, residuals)
-        arguments = ", ".join(f"{key}={value}" for key, value in
+        arguments = ", ".join(f"{key}={_short(value)}" for key, value in
                               allocation.fitted_loops_arguments(bases, residuals).items())
         lines.append(f"| {budget:g} | {', '.join(bases)} | {', '.join(residuals)} | {first:.4f} / {second:.4f} | "
                      f"{arguments} |")
     return chosen, "\n".join(lines) + "\n\n"
+
+
+def _short(values: tuple) -> str:
+    """``(4.0, 3.5)`` or ``(CodecSpec("int3", "token", 64), None)``: a per-layer argument as Python would take it."""
+    def one(value):
+        return f'CodecSpec("{value.format}", "{value.axis}", {value.group_size})' if hasattr(value, "format") \
+            else repr(value)
+    return "(" + ", ".join(one(value) for value in values) + ")"
 
 
 def run_policies(args, checkpoint, corpus) -> str:
