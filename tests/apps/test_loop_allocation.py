@@ -90,21 +90,21 @@ def test_sensitivity_and_the_chosen_policy_on_a_small_model(monkeypatch):
     monkeypatch.setattr(allocation, "BASES", ("fit", "fit3"))
     monkeypatch.setattr(allocation, "RESIDUAL_KEYS", ("fit3",))
     monkeypatch.setattr(allocation, "RESIDUAL_VALUES", ("fit", "int3"))
-    model = dataclasses.replace(ouro.OuroConfig.tiny(), layers=2, kv_heads=2)
+    model = dataclasses.replace(ouro.OuroConfig.tiny(), layers=1, kv_heads=2)
     params = ouro.init_params(model, jax.random.PRNGKey(0))
     held_out = np.random.default_rng(0).integers(0, model.vocab_size, 4000).astype(np.uint8)
     settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,), query_positions=4)
     messages = []
     found = allocation.sensitivity(params, model, held_out, settings, log=messages.append)
-    assert found.base_errors.shape == (2, 2) and found.residual_errors.shape == (2, 2) and len(messages) == 2 + 2 + 1
+    assert found.base_errors.shape == (1, 2) and found.residual_errors.shape == (1, 2) and len(messages) == 2 + 2 + 1
     assert np.all(found.base_errors > 0) and np.all(found.residual_errors > 0) and min(found.flashloop) > 0
     assert np.all(found.base_errors[:, 1] > found.base_errors[:, 0])  # 3-bit keys lose more than 4-bit ones
     np.testing.assert_array_equal(found.base_bits, [4.5, 4.0])  # mean key width + 0.5, int4_scaled values
     np.testing.assert_array_equal(found.residual_bits, [4.0, 3.5])
     assert found.elements == 2 * 2 * 64
-    cheapest = 2 * (4.0 + 3.5) * found.elements / 8
+    cheapest = (4.0 + 3.5) * found.elements / 8
     policy = allocation.chosen_policy(model, found, cheapest)
-    assert policy == (("fit3", "fit3"), ("pred fit3/int3", "pred fit3/int3"), "pred", "pred")
+    assert policy == (("fit3",), ("pred fit3/int3",), "pred", "pred")
     fitted = policies.fitted_specs(params, model, held_out, [policy], settings)
     predicted = policies.fitted_predicted_loops(params, model, held_out, policy, settings, fitted)
     config = policies.policy_config(policy, model, 1, 64, fitted=fitted, predicted=predicted)

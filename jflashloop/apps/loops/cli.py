@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ...codecs import CodecSpec
 from ...models.checkpoint import load_checkpoint
 from ...models.stdlib_text import default_root, load_corpus
 from . import allocation, policies
@@ -72,8 +73,8 @@ def allocated_policies(args, checkpoint, corpus, settings, log) -> tuple[dict, s
 def _short(values: tuple) -> str:
     """``(4.0, 3.5)`` or ``(CodecSpec("int3", "token", 64), None)``: a per-layer argument as Python would take it."""
     def one(value):
-        return f'CodecSpec("{value.format}", "{value.axis}", {value.group_size})' if hasattr(value, "format") \
-            else repr(value)
+        return f'CodecSpec("{value.format}", "{value.axis}", {value.group_size})' \
+            if isinstance(value, CodecSpec) else repr(value)
     return "(" + ", ".join(one(value) for value in values) + ")"
 
 
