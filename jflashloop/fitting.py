@@ -215,8 +215,8 @@ def fit_predicted_loops(config: CacheConfig, keys, values, *, loops=None) -> Cac
     return config.with_layer_loops(layer_loops)
 
 
-def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int, mean_bits: float = 4.0,
-                        value_spec: CodecSpec | None = None, layers=None) -> CacheConfig:
+def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int, mean_bits=4.0, value_spec=None,
+                        layers=None) -> CacheConfig:
     """``config`` with loop ``loop``'s dense residual stored in codecs fitted to that residual, layer by layer.
 
     A residual loop stores ``x - reference``: the loop before as the cache reconstructs it, or its
@@ -232,14 +232,16 @@ def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int
       queries: float ``[sequences, layers, loops, query_tokens, q_heads, head_dim]``, the model's queries on them
         (any positions: :func:`key_channel_weights`).
       loop: the residual loop (0-based; the base is coded on its own: :func:`fitted_policy`).
-      mean_bits: the keys' mean width (``mean_bits * head_dim`` a multiple of 32).
-      value_spec: the values' codec; None (default): :func:`fitted_values` of the residual.
+      mean_bits: the keys' mean width (``mean_bits * head_dim`` a multiple of 32): one for every layer, or a sequence
+        of one per layer of the config.
+      value_spec: the values' codec; None (default): :func:`fitted_values` of the residual; one for every layer, or a
+        sequence of one per layer of the config.
       layers: the layers to fit (0-based; default every layer); the others keep their storage.
     Returns:
       ``config`` with per-layer loops (``layer_loops``) whose loop ``loop`` stores fitted codecs.
     Raises:
-      ValueError: arrays of another shape than the config's, ``loop`` out of range, a loop with sparse rows, or too
-        few page positions for a key group.
+      ValueError: arrays of another shape than the config's, ``loop`` out of range, a loop with sparse rows, per-layer
+        sequences of another length than the layers, or too few page positions for a key group.
     """
     keys, values = _calibration_tensors(config, keys, values)
     queries = np.asarray(queries, np.float32)
@@ -249,6 +251,8 @@ def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int
                          f"q_heads, head_dim={config.head_dim}], got {queries.shape}")
     if not 1 <= loop < loops:
         raise ValueError(f"loop must be a residual loop, 1 <= loop < {loops}, got {loop}")
+    mean_bits = _per_layer("mean_bits", mean_bits, num_layers, _width)
+    value_spec = _per_layer("value_spec", value_spec, num_layers, functools.partial(_codec_spec, "value_spec"))
     chosen = range(num_layers) if layers is None else sorted(set(int(layer) for layer in layers))
     if any(not 0 <= layer < num_layers for layer in chosen):
         raise ValueError(f"layers must be in [0, {num_layers}), got {list(layers)}")
@@ -267,9 +271,9 @@ def fit_residual_codecs(config: CacheConfig, keys, values, queries, *, loop: int
             residual = [x - np.asarray(r) for x, r in zip(exact, reference, strict=True)]
         layer_queries = queries[:, layer, loop].reshape(-1, *queries.shape[4:])
         layer_loops[layer][loop] = dataclasses.replace(
-            storage, key_spec=fitted_keys(residual[0], layer_queries, mean_bits, group_size=config.page_size,
+            storage, key_spec=fitted_keys(residual[0], layer_queries, mean_bits[layer], group_size=config.page_size,
                                           sink_tokens=0),
-            value_spec=fitted_values(residual[1], sink_tokens=0) if value_spec is None else value_spec)
+            value_spec=fitted_values(residual[1], sink_tokens=0) if value_spec[layer] is None else value_spec[layer])
     return config.with_layer_loops(layer_loops)
 
 
@@ -339,7 +343,7 @@ def fitted_loops(keys, values, queries, *, base_bits=3.5, loop_bits=3.5, loop_va
     _, layers, loops, _, heads, head_dim = keys.shape
     base_bits, loop_bits = (_per_layer(name, x, layers, _width) for name, x in (("base_bits", base_bits),
                                                                                ("loop_bits", loop_bits)))
-    loop_values = _per_layer("loop_values", loop_values, layers, _codec_spec)
+    loop_values = _per_layer("loop_values", loop_values, layers, functools.partial(_codec_spec, "loop_values"))
     shape = CacheConfig(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, **config)
     sinks, group = shape.sink_tokens, shape.page_size
     identity = LoopPrediction.identity(heads, head_dim)
@@ -351,12 +355,7 @@ def fitted_loops(keys, values, queries, *, base_bits=3.5, loop_bits=3.5, loop_va
                           *[LoopStorage(INT4_VALUES, INT4_VALUES, 0, prediction=identity)] * (loops - 2)))
     fitted = fit_predicted_loops(dataclasses.replace(shape, loops=per_layer[0]).with_layer_loops(per_layer),
                                  keys, values, loops=[1])
-    groups: dict[tuple, list[int]] = {}  # layers by their residual's codecs, each group fitted in one pass
-    for layer in range(layers):
-        groups.setdefault((loop_bits[layer], loop_values[layer]), []).append(layer)
-    for (bits, value_spec), chosen in groups.items():
-        fitted = fit_residual_codecs(fitted, keys, values, queries, loop=1, mean_bits=bits, value_spec=value_spec,
-                                     layers=chosen)
+    fitted = fit_residual_codecs(fitted, keys, values, queries, loop=1, mean_bits=loop_bits, value_spec=loop_values)
     return fit_predicted_loops(fitted, keys, values, loops=range(2, loops))
 
 
@@ -377,9 +376,9 @@ def _width(bits) -> float:
         raise ValueError(f"key widths must be numbers, got {bits!r}") from None
 
 
-def _codec_spec(spec) -> CodecSpec | None:
+def _codec_spec(name: str, spec) -> CodecSpec | None:
     if spec is not None and not isinstance(spec, CodecSpec):
-        raise ValueError(f"loop_values must be None, a CodecSpec or one of those per layer, got {spec!r}")
+        raise ValueError(f"{name} must be None, a CodecSpec or one of those per layer, got {spec!r}")
     return spec
 
 

@@ -347,23 +347,28 @@ def predicted_inputs(queries, windows: dict, window_loop: int, plan: KernelPlan)
     queries = jnp.einsum("hde,shge->shgd", jnp.asarray(key_table[:, :-1]), grouped,
                          precision=MAP_PRECISION).reshape(sequences, q_heads, head_dim)
     moved = {}
-    for name, table in (("sink_keys", key_table), ("ring_keys", key_table), ("sink_values", value_table),
-                        ("ring_values", value_table)):
-        array = windows[name]
-        if array is not None:  # [loops, S, H, T, D] -> this loop's, in the source's basis
-            inverse = np.linalg.inv(table[:, :-1].astype(np.float64))
-            shift = jnp.asarray(np.einsum("hd,hde->he", table[:, -1].astype(np.float64), inverse), jnp.float32)
-            array = array[window_loop:window_loop + 1]
-            if array.dtype == jnp.bfloat16:  # one product of bfloat16 values (exact at any float32 precision)
-                both = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32),
-                                  _split_bfloat16(inverse).astype(jnp.float32), precision=jax.lax.Precision.DEFAULT)
-                product = both[..., :head_dim] + both[..., head_dim:]
-            else:
-                product = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32),
-                                     jnp.asarray(inverse, jnp.float32), precision=jax.lax.Precision.HIGHEST)
-            array = product - shift[:, None]
-        moved[name] = array
+    for kind, table in (("keys", key_table), ("values", value_table)):
+        inverse = np.linalg.inv(table[:, :-1].astype(np.float64))
+        shift = jnp.asarray(np.einsum("hd,hde->he", table[:, -1].astype(np.float64), inverse), jnp.float32)
+        for name in (f"sink_{kind}", f"ring_{kind}"):
+            moved[name] = _moved_window(windows[name], window_loop, inverse, shift)
     return queries, moved, 0
+
+
+def _moved_window(array, window_loop: int, inverse: np.ndarray, shift):
+    """Window ``window_loop`` of ``array`` (``[loops, S, H, T, D]``, or None) in the source's basis:
+    float32 ``[1, S, H, T, D]`` of ``x M^-1 - b M^-1`` (``inverse`` float64 ``[H, D, D]``, ``shift`` ``[H, D]``)."""
+    if array is None:
+        return None
+    array, head_dim = array[window_loop:window_loop + 1], array.shape[-1]
+    if array.dtype == jnp.bfloat16:  # one product of bfloat16 values (exact at any float32 precision)
+        both = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32), _split_bfloat16(inverse).astype(jnp.float32),
+                          precision=jax.lax.Precision.DEFAULT)
+        product = both[..., :head_dim] + both[..., head_dim:]
+    else:
+        product = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32), jnp.asarray(inverse, jnp.float32),
+                             precision=jax.lax.Precision.HIGHEST)
+    return product - shift[:, None]
 
 
 MAP_PRECISION = jax.lax.Precision.HIGH

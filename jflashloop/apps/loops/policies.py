@@ -336,17 +336,17 @@ def fitted_predicted_loops(params, model: ouro.OuroConfig, held_out: np.ndarray,
     queries = None
     for loop in loops:  # each map, then the codecs of its residual, in loop order
         config = fitting.fit_predicted_loops(config, keys, values, loops=[loop])
-        groups: dict[tuple[str, str], list[int]] = {}  # layers by their residual's codecs
-        for layer in range(model.layers):
-            codecs = _residual_codecs(_entry_in_layer(policy[loop], layer))
-            if codecs is not None:
-                groups.setdefault(codecs, []).append(layer)
-        if groups and queries is None:
+        codecs = [_residual_codecs(_entry_in_layer(policy[loop], layer)) for layer in range(model.layers)]
+        layers = [layer for layer, pair in enumerate(codecs) if pair is not None]  # residuals in fitted codecs
+        if not layers:
+            continue
+        if queries is None:
             queries = np.asarray(model_queries(params, model, token_ids, 32)).transpose(2, 1, 0, 3, 4, 5)
-        for (key, value), layers in groups.items():
-            config = fitting.fit_residual_codecs(
-                config, keys, values, queries, loop=loop, mean_bits=FITTED_CODECS[key], layers=layers,
-                value_spec=None if value == "fit" else _spec(value, False, model.head_dim))
+        pairs = [pair or ("fit", "fit") for pair in codecs]  # (the layers not fitted keep their storage)
+        config = fitting.fit_residual_codecs(
+            config, keys, values, queries, loop=loop, layers=layers,
+            mean_bits=[FITTED_CODECS[key] for key, _ in pairs],
+            value_spec=[None if value == "fit" else _spec(value, False, model.head_dim) for _, value in pairs])
     return {loop: [config.layer(layer).loops[loop] for layer in range(model.layers)] for loop in loops}
 
 
