@@ -52,6 +52,7 @@ from .codecs import encode as encode
 from .codecs import encode_with_statistics as encode_with_statistics
 from .codecs import global_scale_from_amax as global_scale_from_amax
 from .codecs import int2_lloyd_max as int2_lloyd_max
+from .codecs import int3_lloyd_max as int3_lloyd_max
 from .codecs import int4_rotated as int4_rotated
 from .ops._chunk_attention import chunk_attention as chunk_attention
 from .ops._chunk_attention import chunk_attention_reference as chunk_attention_reference
@@ -114,6 +115,7 @@ __all__ = [
     "fitting",
     "global_scale_from_amax",
     "int2_lloyd_max",
+    "int3_lloyd_max",
     "int4_rotated",
     "paged_cache",
     "persistence",

@@ -71,6 +71,10 @@ def _round_trip_int2(vector, group_size, seed):
     return rotations.decode_int2_lloyd_max_vector(*rotations.encode_int2_lloyd_max_vector(vector, seed), seed)
 
 
+def _round_trip_int3_lloyd_max(vector, group_size, seed):
+    return rotations.decode_int3_lloyd_max_vector(*rotations.encode_int3_lloyd_max_vector(vector, seed), seed)
+
+
 def _round_trip_e8(vector, group_size, seed):
     codes, scales = rotations.encode_e8_vector(vector, group_size)
     return rotations.decode_e8_vector(codes, scales, len(vector), group_size)
@@ -86,6 +90,7 @@ AFFINE_CODECS = {"int4": (encode_int4, decode_int4), "int3": (encode_int3, decod
 ROW_CODECS = {
     "int4_rotated": _round_trip_int4_rotated,
     "int2_lloyd_max": _round_trip_int2,
+    "int3_lloyd_max": _round_trip_int3_lloyd_max,
     "e8": _round_trip_e8,
     "int4_group_rotated": _round_trip_int4_group_rotated,
 }

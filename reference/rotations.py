@@ -20,6 +20,7 @@ Codecs on one ``[D]`` vector (one token of one KV head):
   inverse overflows float32.
 * ``int2_lloyd_max``: rotate, then 2-bit codes at the 4-level Lloyd-Max
   quantizer of N(0, 1), scaled by the vector's RMS (stored as float16).
+* ``int3_lloyd_max``: the same with 3-bit codes at the 8-level quantizer.
 * ``e8``: normalized Hadamard over the head (no signs), one float16 scale per
   64 channels, and per 8 channels two bytes: a first and a half-scale second
   E8 codeword (the 240 roots plus zero).
@@ -43,6 +44,8 @@ MASK64 = (1 << 64) - 1
 INT4_ROTATED_INPUT_LIMIT = np.float32(2.0**64)
 LLOYD_MAX_THRESHOLD = np.float32(0.9816)
 LLOYD_MAX_LEVELS = (np.float32(-1.5104), np.float32(-0.4528), np.float32(0.4528), np.float32(1.5104))
+LLOYD_MAX_3_THRESHOLDS = tuple(np.float32(t) for t in (-1.7479, -1.05, -0.5006, 0.0, 0.5006, 1.05, 1.7479))
+LLOYD_MAX_3_LEVELS = tuple(np.float32(v) for v in (-2.1519, -1.3439, -0.756, -0.2451, 0.2451, 0.756, 1.3439, 2.1519))
 
 
 def splitmix64(value: int) -> int:
@@ -170,27 +173,49 @@ def pairwise_sum(values) -> np.float32:
     return s[0]
 
 
-def encode_int2_lloyd_max_vector(values, seed: int):
-    """Returns ``(codes [D] ints 0-3, sigma float16)``."""
-    y = rotate(values, random_signs(seed, len(values)))
+def rotated_rms(y) -> np.float32:
+    """The RMS of a rotated vector: squares of its bfloat16 roundings, summed pairwise; squares and the mean
+    below float32's smallest normal count as zero (XLA flushes such subnormal results on some backends);
+    1 for a zero vector."""
     tiny = np.float32(np.finfo(np.float32).tiny)
-    # Squares and the mean below float32's smallest normal count as zero (XLA
-    # flushes such subnormal results on some backends).
     squares = [np.float32(_bfloat16(v) * _bfloat16(v)) for v in y]
     squares = [q if q >= tiny else np.float32(0.0) for q in squares]
     mean = np.float32(pairwise_sum(squares) * np.float32(1.0 / len(y)))
     mean = mean if mean >= tiny else np.float32(0.0)
-    sigma = np.float32(np.sqrt(mean)) if mean > 0 else np.float32(1.0)
-    codes = []
-    for v in y:
-        u = divide_float32(v, sigma)
-        codes.append(int(u > -LLOYD_MAX_THRESHOLD) + int(u > 0) + int(u > LLOYD_MAX_THRESHOLD))
-    return codes, float16_saturating(sigma)
+    return np.float32(np.sqrt(mean)) if mean > 0 else np.float32(1.0)
+
+
+def lloyd_max_code(u, thresholds) -> int:
+    """How many of the increasing ``thresholds`` ``u`` exceeds (equal to one: the code below it; a subnormal
+    ``u`` counts as zero)."""
+    u = u if abs(u) >= np.finfo(np.float32).tiny else np.float32(0.0)
+    return sum(int(u > t) for t in thresholds)
+
+
+def _encode_lloyd_max_vector(values, seed: int, thresholds):
+    y = rotate(values, random_signs(seed, len(values)))
+    sigma = rotated_rms(y)
+    return [lloyd_max_code(divide_float32(v, sigma), thresholds) for v in y], float16_saturating(sigma)
+
+
+def encode_int2_lloyd_max_vector(values, seed: int):
+    """Returns ``(codes [D] ints 0-3, sigma float16)``."""
+    return _encode_lloyd_max_vector(values, seed, (-LLOYD_MAX_THRESHOLD, np.float32(0.0), LLOYD_MAX_THRESHOLD))
 
 
 def decode_int2_lloyd_max_vector(codes, sigma16, seed: int) -> list[np.float32]:
     """``R^-1 (level[code] * sigma)``, evaluated as the transform of the levels, then the scales."""
     return _scaled_unrotate([LLOYD_MAX_LEVELS[c] for c in codes], np.float32(sigma16), seed)
+
+
+def encode_int3_lloyd_max_vector(values, seed: int):
+    """Returns ``(codes [D] ints 0-7, sigma float16)``."""
+    return _encode_lloyd_max_vector(values, seed, LLOYD_MAX_3_THRESHOLDS)
+
+
+def decode_int3_lloyd_max_vector(codes, sigma16, seed: int) -> list[np.float32]:
+    """``R^-1 (level[code] * sigma)``, as :func:`decode_int2_lloyd_max_vector` with the 8 levels."""
+    return _scaled_unrotate([LLOYD_MAX_3_LEVELS[c] for c in codes], np.float32(sigma16), seed)
 
 
 # ---------------------------------------------------------------- e8

@@ -99,7 +99,8 @@ class CacheConfig:
         count). :meth:`layer` gives the config of one layer's pages.
 
     ``head_dim`` must be a multiple of 8 (16 for ``int2``, ``int2_lloyd_max`` and
-    ``e8`` streams, 32 for ``int3`` streams: a page row's payload is whole 32-bit words).
+    ``e8`` streams, 32 for ``int3`` and ``int3_lloyd_max`` streams: a page row's payload is whole
+    32-bit words).
 
     Every count above (and ``LoopStorage.sparse_rows_per_page``) must be a
     Python ``int``: a float or a bool raises ``TypeError``, a value out of
@@ -210,8 +211,8 @@ class CacheConfig:
                                      f"bits (a row in whole 32-bit words), got {spec.row_bits}")
                 if spec.format in ("int2", "int2_lloyd_max", "e8") and self.head_dim % 16:
                     raise ValueError(f"{where}: {spec.format} pages need head_dim divisible by 16")
-                if spec.format == "int3" and self.head_dim % 32:
-                    raise ValueError(f"{where}: int3 pages need head_dim divisible by 32 (a row's "
+                if spec.format in ("int3", "int3_lloyd_max") and self.head_dim % 32:
+                    raise ValueError(f"{where}: {spec.format} pages need head_dim divisible by 32 (a row's "
                                      "3 * head_dim / 8 bytes in whole 32-bit words)")
                 if spec.axis == "channel" and loop.is_sparse:
                     raise ValueError(f"{where}: a sparse loop must group per token (axis='token')")

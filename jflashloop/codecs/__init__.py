@@ -36,6 +36,7 @@ from ._spec import INT4_VALUES as INT4_VALUES
 from ._spec import NVFP4 as NVFP4
 from ._spec import CodecSpec as CodecSpec
 from ._spec import int2_lloyd_max as int2_lloyd_max
+from ._spec import int3_lloyd_max as int3_lloyd_max
 from ._spec import int4_rotated as int4_rotated
 from ._spec import round_channel_scales as round_channel_scales
 from ._statistics import EncodeStatistics as EncodeStatistics
@@ -55,6 +56,7 @@ __all__ = [
     "encode_with_statistics",
     "global_scale_from_amax",
     "int2_lloyd_max",
+    "int3_lloyd_max",
     "int4_rotated",
     "pack_crumbs",
     "pack_nibbles",

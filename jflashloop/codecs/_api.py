@@ -28,12 +28,14 @@ SUPPORTED_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _ROTATED_ENCODERS = {
     "int4_rotated": rotated.encode_int4_rotated,
     "int2_lloyd_max": rotated.encode_int2_lloyd_max,
+    "int3_lloyd_max": rotated.encode_int3_lloyd_max,
     "e8": rotated.encode_e8,
     "int4_group_rotated": rotated.encode_int4_group_rotated,
 }
 _ROTATED_DECODERS = {
     "int4_rotated": rotated.decode_int4_rotated,
     "int2_lloyd_max": rotated.decode_int2_lloyd_max,
+    "int3_lloyd_max": rotated.decode_int3_lloyd_max,
     "e8": rotated.decode_e8,
     "int4_group_rotated": rotated.decode_int4_group_rotated,
 }

@@ -12,6 +12,9 @@
 * ``int2_lloyd_max``: the same rotation, then the 4-level Lloyd-Max quantizer
   of N(0, 1) (levels +-0.4528, +-1.5104; thresholds 0, +-0.9816) scaled by
   the vector's RMS, stored as one float16 per (token, head).
+* ``int3_lloyd_max``: the same with the 8-level quantizer (levels +-0.2451,
+  +-0.7560, +-1.3439, +-2.1519; thresholds 0, +-0.5006, +-1.0500, +-1.7479),
+  codes packed as INT3's (:func:`~jflashloop.codecs._packed.pack_triplets`).
 * ``e8`` (the K half of rk2v4-e8): a normalized Hadamard over the head, one
   float16 scale per 64 channels (``amax / 1.5``), and per 8 channels two
   bytes: the nearest of 241 E8 codewords (zero and the 240 roots), then the
@@ -39,13 +42,15 @@ import numpy as np
 
 from ..ops._division import divide
 from . import _floats as floats
-from ._packed import Packed, pack_nibbles, unpack_nibbles
+from ._packed import Packed, pack_nibbles, pack_triplets, unpack_nibbles, unpack_triplets
 from ._spec import CodecSpec
 from ._statistics import EncodeStatistics, count
 
 MASK64 = (1 << 64) - 1
 LLOYD_MAX_THRESHOLD = 0.9816
 LLOYD_MAX_LEVELS = (-1.5104, -0.4528, 0.4528, 1.5104)
+LLOYD_MAX_3_THRESHOLDS = (-1.7479, -1.05, -0.5006, 0.0, 0.5006, 1.05, 1.7479)
+LLOYD_MAX_3_LEVELS = (-2.1519, -1.3439, -0.756, -0.2451, 0.2451, 0.756, 1.3439, 2.1519)
 E8_SCALE_DIVISOR = 1.5
 INT4_SYMMETRIC_DIVISOR = 7.0
 INT4_ROTATED_INPUT_LIMIT = 2.0**64
@@ -265,25 +270,56 @@ def _pairwise_sum(x: jax.Array) -> jax.Array:
     return x
 
 
-def encode_int2_lloyd_max(x: jax.Array, spec: CodecSpec, implementation: str) -> Packed:
-    y = rotate(x.astype(jnp.float32), spec.rotation_seed)
+def _rotated_rms(y: jax.Array) -> jax.Array:
+    """float32 ``[..., 1]``: the RMS of rotated rows ``y`` (squares of their bfloat16 roundings, pairwise sum;
+    subnormal squares and means count as zero; 1 for a zero row)."""
     rounded = floats.round_mantissa(y, dropped_bits=16)  # bfloat16 value (RNE) as float32
     tiny = np.float32(np.finfo(np.float32).tiny)
     squares = rounded * rounded
     squares = jnp.where(squares >= tiny, squares, 0.0)  # subnormals count as zero on every backend
     mean = _pairwise_sum(squares) * np.float32(1.0 / y.shape[-1])
     mean = jnp.where(mean >= tiny, mean, 0.0)
-    sigma = jnp.where(mean > 0, jnp.sqrt(mean), jnp.float32(1.0))
-    u = divide(y, sigma, implementation)
-    threshold = jnp.float32(LLOYD_MAX_THRESHOLD)
-    codes = (u > -threshold).astype(jnp.uint8) + (u > 0) + (u > threshold)
-    return Packed(_pack_crumbs(codes), _to_float16(sigma), None, None, spec, tuple(x.shape))
+    return jnp.where(mean > 0, jnp.sqrt(mean), jnp.float32(1.0))
+
+
+def lloyd_max_codes(u: jax.Array, thresholds) -> jax.Array:
+    """uint8 codes of float32 ``u`` (any shape): how many of the increasing ``thresholds`` each value exceeds
+    (a value equal to a threshold takes the code below it; one below float32's smallest normal in magnitude
+    counts as zero, as XLA's CPU comparisons read it)."""
+    u = jnp.where(jnp.abs(u) >= np.float32(np.finfo(np.float32).tiny), u, 0.0)
+    codes = jnp.zeros(u.shape, jnp.uint8)
+    for threshold in thresholds:
+        codes = codes + (u > jnp.float32(threshold)).astype(jnp.uint8)
+    return codes
+
+
+def _encode_lloyd_max(x: jax.Array, spec: CodecSpec, implementation: str, thresholds, pack) -> Packed:
+    y = rotate(x.astype(jnp.float32), spec.rotation_seed)
+    sigma = _rotated_rms(y)
+    codes = lloyd_max_codes(divide(y, sigma, implementation), thresholds)
+    return Packed(pack(codes), _to_float16(sigma), None, None, spec, tuple(x.shape))
+
+
+def _decode_lloyd_max(packed: Packed, codes: jax.Array, levels) -> jax.Array:
+    values = jnp.asarray(levels, jnp.float32)[codes.astype(jnp.int32)]
+    return scaled_unrotate(values, packed.scale.astype(jnp.float32), packed.spec.rotation_seed)
+
+
+def encode_int2_lloyd_max(x: jax.Array, spec: CodecSpec, implementation: str) -> Packed:
+    thresholds = (-LLOYD_MAX_THRESHOLD, 0.0, LLOYD_MAX_THRESHOLD)
+    return _encode_lloyd_max(x, spec, implementation, thresholds, _pack_crumbs)
 
 
 def decode_int2_lloyd_max(packed: Packed) -> jax.Array:
-    codes = _unpack_crumbs(packed.payload).astype(jnp.int32)
-    levels = jnp.asarray(LLOYD_MAX_LEVELS, jnp.float32)[codes]
-    return scaled_unrotate(levels, packed.scale.astype(jnp.float32), packed.spec.rotation_seed)
+    return _decode_lloyd_max(packed, _unpack_crumbs(packed.payload), LLOYD_MAX_LEVELS)
+
+
+def encode_int3_lloyd_max(x: jax.Array, spec: CodecSpec, implementation: str) -> Packed:
+    return _encode_lloyd_max(x, spec, implementation, LLOYD_MAX_3_THRESHOLDS, pack_triplets)
+
+
+def decode_int3_lloyd_max(packed: Packed) -> jax.Array:
+    return _decode_lloyd_max(packed, unpack_triplets(packed.payload, packed.shape[2]), LLOYD_MAX_3_LEVELS)
 
 
 # ---------------------------------------------------------------- e8

@@ -8,13 +8,13 @@ from typing import Literal
 
 import numpy as np
 
-Format = Literal["int4", "int3", "int2", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated",
-                 "int_mixed", "int4_scaled"]
+Format = Literal["int4", "int3", "int2", "nvfp4", "int4_rotated", "int2_lloyd_max", "int3_lloyd_max", "e8",
+                 "int4_group_rotated", "int_mixed", "int4_scaled"]
 Axis = Literal["channel", "token"]
 
 NVFP4_BLOCK_SIZE = 16
-FORMATS = ("int4", "int3", "int2", "nvfp4", "int4_rotated", "int2_lloyd_max", "e8", "int4_group_rotated",
-           "int_mixed", "int4_scaled")
+FORMATS = ("int4", "int3", "int2", "nvfp4", "int4_rotated", "int2_lloyd_max", "int3_lloyd_max", "e8",
+           "int4_group_rotated", "int_mixed", "int4_scaled")
 # Affine formats: float16 min and scale per group, codes 0..AFFINE_MAX_CODE[format] (int_mixed: 0..2**b - 1 for
 # its channel's width b).
 AFFINE_FORMATS = ("int4", "int3", "int2", "int_mixed", "int4_scaled")
@@ -26,14 +26,14 @@ MAX_CHANNEL_BITS = 8
 CHANNEL_SCALE_RANGE = (2.0**-64, 2.0**64)
 CHANNEL_SCALE_BITS = 9  # significant bits of an int4_scaled divisor: its decode's products stay exact
 # Formats whose group is the whole head, rotated by a seeded randomized Hadamard.
-HEAD_ROTATED_FORMATS = ("int4_rotated", "int2_lloyd_max")
+HEAD_ROTATED_FORMATS = ("int4_rotated", "int2_lloyd_max", "int3_lloyd_max")
 # Formats rotated by a plain normalized Hadamard (over the head for e8, per group otherwise).
 PLAIN_ROTATED_FORMATS = ("e8", "int4_group_rotated")
 # Payload bits per element.
-CODE_BITS = {"int4": 4, "int3": 3, "int2": 2, "nvfp4": 4, "int4_rotated": 4, "int2_lloyd_max": 2, "e8": 2, "int4_group_rotated": 4,
-             "int4_scaled": 4}  # int_mixed: CodecSpec.row_bits
+CODE_BITS = {"int4": 4, "int3": 3, "int2": 2, "nvfp4": 4, "int4_rotated": 4, "int2_lloyd_max": 2, "int3_lloyd_max": 3, "e8": 2,
+             "int4_group_rotated": 4, "int4_scaled": 4}  # int_mixed: CodecSpec.row_bits
 # Metadata bits per group.
-METADATA_BITS = {"int4": 32, "int3": 32, "int2": 32, "nvfp4": 8, "int4_rotated": 32, "int2_lloyd_max": 16, "e8": 16,
+METADATA_BITS = {"int4": 32, "int3": 32, "int2": 32, "nvfp4": 8, "int4_rotated": 32, "int2_lloyd_max": 16, "int3_lloyd_max": 16, "e8": 16,
                  "int4_group_rotated": 16, "int_mixed": 32, "int4_scaled": 32}
 
 
@@ -100,7 +100,10 @@ class CodecSpec:
         per (token, head), float32 scale carrying the zero point;
         ``group_size`` = head_dim), ``"int2_lloyd_max"`` (same rotation, 2-bit
         Lloyd-Max levels of N(0,1), float16 RMS per (token, head);
-        ``group_size`` = head_dim), ``"e8"`` (normalized Hadamard over the head,
+        ``group_size`` = head_dim), ``"int3_lloyd_max"`` (the same with 3-bit
+        codes at the 8 Lloyd-Max levels, packed as INT3's: 3 + 16/D bits;
+        for zero-centred data such as a loop's residual it has less error than
+        INT3 G64 at 3.5 bits), ``"e8"`` (normalized Hadamard over the head,
         E8 root codes at 2 bits per channel, float16 scale per ``group_size``
         channels) and ``"int4_group_rotated"`` (normalized Hadamard per
         ``group_size`` channels, symmetric 4-bit, float16 scale per group).
@@ -111,8 +114,8 @@ class CodecSpec:
       group_size: elements per quantization group (64 by default for INT4;
         NVFP4's block is always 16). The last group may be partial (the
         affine formats and NVFP4 only).
-      rotation_seed: seed of the random signs of ``int4_rotated`` and
-        ``int2_lloyd_max`` (recorded here so queries can take the same
+      rotation_seed: seed of the random signs of ``int4_rotated``,
+        ``int2_lloyd_max`` and ``int3_lloyd_max`` (recorded here so queries can take the same
         rotation); None for every other format.
       channel_bits: ``"int_mixed"`` only: the code width of every channel,
         ``[kv_heads][channels]`` ints in 1..8 (a tuple of tuples; lists are
@@ -359,6 +362,11 @@ def int4_rotated(head_dim: int, seed: int = 0) -> CodecSpec:
 def int2_lloyd_max(head_dim: int, seed: int = 0) -> CodecSpec:
     """2-bit Lloyd-Max N(0,1) levels per (token, head) after a randomized Hadamard (2 + 16/D bits)."""
     return CodecSpec("int2_lloyd_max", "token", head_dim, rotation_seed=seed)
+
+
+def int3_lloyd_max(head_dim: int, seed: int = 0) -> CodecSpec:
+    """3-bit Lloyd-Max N(0,1) levels per (token, head) after a randomized Hadamard (3 + 16/D bits)."""
+    return CodecSpec("int3_lloyd_max", "token", head_dim, rotation_seed=seed)
 
 
 E8_KEYS = CodecSpec("e8", "token", 64)
