@@ -7,7 +7,7 @@ choices in every layer: the base's codecs and loop 2's residual codecs. On the c
 
 1. :func:`sensitivity`: each base candidate's loop-1 attention error per layer (:data:`BASES`, every layer in that
    codec) and each residual candidate's loop-2 error per layer (:func:`residual_entries`: keys fitted at a mean
-   width of :data:`RESIDUAL_KEYS`, values fitted or INT4 or INT3 G64; measured over the ``fit`` base, so loop 2's
+   width of :data:`RESIDUAL_KEYS`, values of :data:`RESIDUAL_VALUES`; measured over the ``fit`` base, so loop 2's
    errors are those of one base), beside FlashLoop's policy's mean loop-1 and loop-2 errors;
 2. :func:`choose`: the per-layer pairs (base, residual) that bring both loops closest under FlashLoop's errors, the
    least ``max(loop-1 error / FlashLoop's, loop-2 error / FlashLoop's)`` (means over layers) among the exact
@@ -34,8 +34,9 @@ BASES = ("fit", "fit3.5", "fit3")
 """The base's candidates: fitted codecs at a mean key width of 4, 3.5 and 3 bits (:data:`policies.FITTED_CODECS`)."""
 RESIDUAL_KEYS = ("fit5", "fit4.5", "fit", "fit3.5", "fit3")
 """Loop 2's residual key candidates: keys fitted to the residual at these mean widths."""
-RESIDUAL_VALUES = ("fit", "int4", "int3")
-"""Loop 2's residual value candidates: values fitted to the residual (``int4_scaled``), INT4 G64 or INT3 G64."""
+RESIDUAL_VALUES = ("fit", "int4", "int3", "int3lm")
+"""Loop 2's residual value candidates: values fitted to the residual (``int4_scaled``), INT4 G64, INT3 G64 or the 3-bit
+Lloyd-Max ``int3_lloyd_max`` (3.25 bits at head_dim 64; the residual is zero-centred)."""
 
 
 def residual_entries() -> list[str]:
@@ -162,11 +163,11 @@ def calibration_errors(found: Sensitivity, bases, residuals) -> tuple[float, flo
             float(found.residual_errors[rows, [residual_index.index(r) for r in residuals]].mean()))
 
 
-def fitted_loops_arguments(bases, residuals) -> dict:
+def fitted_loops_arguments(bases, residuals, head_dim: int) -> dict:
     """The same layout as :func:`jflashloop.fitting.fitted_loops` arguments: ``base_bits``, ``loop_bits`` and
-    ``loop_values`` (None for fitted values, else the INT4 or INT3 G64 value spec), one per layer."""
+    ``loop_values`` (None for fitted values, else the value spec of :data:`RESIDUAL_VALUES`), one per layer."""
     keys, values = zip(*(entry.removeprefix(policies.PREDICTED).strip().partition("/")[::2] for entry in residuals),
                        strict=True)
     return dict(base_bits=tuple(policies.FITTED_CODECS[b] for b in bases),
                 loop_bits=tuple(policies.FITTED_CODECS[k] for k in keys),
-                loop_values=tuple(None if v in ("", "fit") else policies._spec(v, False, 0) for v in values))
+                loop_values=tuple(None if v in ("", "fit") else policies._spec(v, False, head_dim) for v in values))

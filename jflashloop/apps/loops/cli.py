@@ -64,7 +64,7 @@ def allocated_policies(args, checkpoint, corpus, settings, log) -> tuple[dict, s
         chosen[name] = allocation.candidate_policy(model, bases, residuals)
         first, second = allocation.calibration_errors(found, bases, residuals)
         arguments = ", ".join(f"{key}={_short(value)}" for key, value in
-                              allocation.fitted_loops_arguments(bases, residuals).items())
+                              allocation.fitted_loops_arguments(bases, residuals, model.head_dim).items())
         lines.append(f"| {budget:g} | {', '.join(bases)} | {', '.join(residuals)} | {first:.4f} / {second:.4f} | "
                      f"{arguments} |")
     return chosen, "\n".join(lines) + "\n\n"
@@ -73,8 +73,10 @@ def allocated_policies(args, checkpoint, corpus, settings, log) -> tuple[dict, s
 def _short(values: tuple) -> str:
     """``(4.0, 3.5)`` or ``(CodecSpec("int3", "token", 64), None)``: a per-layer argument as Python would take it."""
     def one(value):
-        return f'CodecSpec("{value.format}", "{value.axis}", {value.group_size})' \
-            if isinstance(value, CodecSpec) else repr(value)
+        if not isinstance(value, CodecSpec):
+            return repr(value)
+        seed = "" if value.rotation_seed is None else f", rotation_seed={value.rotation_seed}"
+        return f'CodecSpec("{value.format}", "{value.axis}", {value.group_size}{seed})'
     return "(" + ", ".join(one(value) for value in values) + ")"
 
 

@@ -11,9 +11,9 @@ A policy is one entry per loop, the base first: ``"int4"`` (dense INT4 G64, K
 per channel over the page, V per token), ``"int2"`` (dense INT2 Lloyd-Max K
 and V), ``"int4/int2"`` (K INT4, V INT2) and so on, or ``"<codec> <rows>"`` for
 a sparse residual of ``rows`` rows per 64-token page (codecs per token:
-``int4``, ``int3``, ``nvfp4``, ``int2``, ``int2a``; ``int3`` is INT3 G64, K per
+``int4``, ``int3``, ``nvfp4``, ``int2``, ``int2a``, ``int3lm``; ``int3`` is INT3 G64, K per
 channel when dense; ``int2`` is INT2 Lloyd-Max, ``int2a`` the affine INT2 G64,
-the ``"int2"`` format; ``fit`` and ``fit3.5``: the codecs fitted to each layer and loop on calibration windows,
+the ``"int2"`` format; ``int3lm`` the 3-bit Lloyd-Max ``int3_lloyd_max``; ``fit`` and ``fit3.5``: the codecs fitted to each layer and loop on calibration windows,
 ``int_mixed`` keys at a mean width of 4, 3.5 or 3 bits (``fit4.5``, ``fit5``: 4.5 and 5) and ``int4_scaled`` values, :mod:`jflashloop.fitting`, for the
 base and direct loops, or fitted to a predicted loop's residual: ``"pred fit3.5"``); ``"direct <codec>"`` is a dense loop stored on its own rather
 than as a residual against the loop before it (``LoopStorage.direct``), and
@@ -22,7 +22,8 @@ store that loop as a residual: per-layer policies, ``CacheConfig.layer_loops``);
 from the loop before it with no rows (``LoopStorage.prediction``, a map fitted to each layer on the calibration
 windows: :func:`fitted_predicted_loops`), ``"pred <codec> <rows>"`` one with sparse rows against the prediction and
 ``"pred <codec>"`` one with a dense residual against it (``"pred fit"``, ``"pred fit3.5"``...: in codecs fitted to that
-residual, :func:`jflashloop.fitting.fit_residual_codecs`; ``"pred fit3/int3"``: fitted keys, INT3 values).
+residual, :func:`jflashloop.fitting.fit_residual_codecs`; ``"pred fit3/int3"``: fitted keys, INT3 values;
+``"pred fit3/int3lm"``: fitted keys, ``int3_lloyd_max`` values).
 An entry may also be a tuple of one such string per layer (a per-layer policy, e.g. one chosen on
 calibration windows by ``bench/loop2_allocation_probe.py``). :func:`loop_storage` reads one entry. The
 tables count loops as the report does (loops run: loop 1 is the base).
@@ -42,7 +43,7 @@ import numpy as np
 from ... import CacheConfig, fitting, storage
 from ...cache._config import LoopStorage
 from ...cache._prediction import LoopPrediction
-from ...codecs import INT4_KEYS, INT4_VALUES, NVFP4, CodecSpec, int2_lloyd_max
+from ...codecs import INT4_KEYS, INT4_VALUES, NVFP4, CodecSpec, int2_lloyd_max, int3_lloyd_max
 from ...models import ouro
 from ...models.cache_hooks import looped_paged_attention_hook
 from ..float64_metrics import kl_divergence
@@ -168,7 +169,9 @@ def _spec(codec: str, dense_key: bool, head_dim: int) -> CodecSpec:
         return int2_lloyd_max(head_dim, 0)
     if codec == "int2a":
         return CodecSpec("int2", "channel", 64) if dense_key else CodecSpec("int2", "token", 64)
-    raise ValueError(f"unknown residual codec {codec!r} (int4, int3, nvfp4, int2 or int2a)")
+    if codec == "int3lm":
+        return int3_lloyd_max(head_dim, 0)
+    raise ValueError(f"unknown residual codec {codec!r} (int4, int3, nvfp4, int2, int2a or int3lm)")
 
 
 def _predicted(entry: str | tuple[str, ...]) -> bool:
