@@ -212,11 +212,12 @@ def test_attention_over_predicted_loops(rng):
                                     interpret=True)
 
 
-@pytest.mark.parametrize("window_dtype", ["bfloat16", "float32"])
-def test_the_maps_around_the_kernel_match_float64(rng, window_dtype):
+@pytest.mark.parametrize("window_dtype, sink", [("bfloat16", True), ("float32", True), ("bfloat16", False)])
+def test_the_maps_around_the_kernel_match_float64(rng, window_dtype, sink):
     """The query's, the windows' and the output's maps of a predicted loop against float64 numpy: a bfloat16
-    window through the inverse split in two bfloat16 halves, a float32 one at full precision; with the high half
-    alone (the control) a bfloat16 window's error is far above the bound."""
+    window through the inverse split in two bfloat16 halves, a float32 one at full precision (all windows in one
+    product; without sink windows, the ring's alone); with the high half alone (the control) a bfloat16 window's
+    error is far above the bound."""
     from jflashloop.ops import _decode_attention as ops
 
     config = dataclasses.replace(predicted_config(rng, rows=(0, 0)), window_dtype=window_dtype)
@@ -227,9 +228,11 @@ def test_the_maps_around_the_kernel_match_float64(rng, window_dtype):
                                  window_dtype)
                for name, tokens in (("sink_keys", config.sink_tokens), ("ring_keys", config.recent_tokens),
                                     ("sink_values", config.sink_tokens), ("ring_values", config.recent_tokens))}
+    if not sink:
+        windows.update(sink_keys=None, sink_values=None)
     queries = jnp.asarray(rng.standard_normal((sequences, 2 * heads, HEAD_DIM)), jnp.float32)
     mapped, moved, window_loop = ops.predicted_inputs(queries, windows, 3, plan)
-    assert window_loop == 0
+    assert window_loop == 0 and set(moved) == set(windows)
 
     def relative(got, want):
         return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
@@ -239,9 +242,13 @@ def test_the_maps_around_the_kernel_match_float64(rng, window_dtype):
     assert relative(mapped.reshape(want_query.shape), want_query) < 3e-5
     for name, table in (("sink_keys", key_table), ("ring_keys", key_table), ("sink_values", value_table),
                         ("ring_values", value_table)):
+        if windows[name] is None:
+            assert moved[name] is None, name
+            continue
         window = np.asarray(windows[name][3:4], np.float64)
         want = np.einsum("lshtd,hde->lshte", window - table[:, -1][:, None], np.linalg.inv(table[:, :-1]))
-        assert moved[name].dtype == jnp.float32 and relative(moved[name], want) < 3e-5, name
+        assert moved[name].dtype == jnp.float32 and moved[name].shape == want.shape, name
+        assert relative(moved[name], want) < 3e-5, name
         if window_dtype == "bfloat16" and name == "ring_keys":  # control: the rounded inverse alone
             rounded = np.asarray(jnp.asarray(np.linalg.inv(table[:, :-1]), jnp.bfloat16), np.float64)
             shift = np.einsum("hd,hde->he", table[:, -1], np.linalg.inv(table[:, :-1]))

@@ -333,10 +333,10 @@ def predicted_inputs(queries, windows: dict, window_loop: int, plan: KernelPlan)
     windows float32, alone).
 
     The maps are a few small products a call (``bench/predicted_maps.py`` times them): the query's and the
-    output's at :data:`MAP_PRECISION`; a bfloat16 window's in one product of bfloat16 values (exact products,
-    float32 sums, at the default precision: on GPUs the TF32 matrix units) against the inverse rounded to
-    bfloat16 beside what that rounding left (:func:`_split_bfloat16`; about 2**-16 of each term), other window
-    dtypes at full float32 precision.
+    output's at :data:`MAP_PRECISION`; the four windows' in one product (:func:`_moved_windows`), of bfloat16
+    values (exact products, float32 sums, at the default precision: on GPUs the TF32 matrix units) against the
+    inverse rounded to bfloat16 beside what that rounding left (:func:`_split_bfloat16`; about 2**-16 of each
+    term), or of other window dtypes at full float32 precision.
     """
     if plan.prediction is None:
         return queries, windows, window_loop
@@ -346,29 +346,40 @@ def predicted_inputs(queries, windows: dict, window_loop: int, plan: KernelPlan)
     grouped = queries.astype(jnp.float32).reshape(sequences, heads, q_heads // heads, head_dim)  # GQA groups
     queries = jnp.einsum("hde,shge->shgd", jnp.asarray(key_table[:, :-1]), grouped,
                          precision=MAP_PRECISION).reshape(sequences, q_heads, head_dim)
-    moved = {}
-    for kind, table in (("keys", key_table), ("values", value_table)):
-        inverse = np.linalg.inv(table[:, :-1].astype(np.float64))
-        shift = jnp.asarray(np.einsum("hd,hde->he", table[:, -1].astype(np.float64), inverse), jnp.float32)
-        for name in (f"sink_{kind}", f"ring_{kind}"):
-            moved[name] = _moved_window(windows[name], window_loop, inverse, shift)
-    return queries, moved, 0
+    inverses = np.stack([np.linalg.inv(table[:, :-1].astype(np.float64)) for table in (key_table, value_table)])
+    shifts = np.einsum("khd,khde->khe", np.stack([key_table[:, -1], value_table[:, -1]]).astype(np.float64), inverses)
+    return queries, _moved_windows(windows, window_loop, inverses, shifts), 0
 
 
-def _moved_window(array, window_loop: int, inverse: np.ndarray, shift):
-    """Window ``window_loop`` of ``array`` (``[loops, S, H, T, D]``, or None) in the source's basis:
-    float32 ``[1, S, H, T, D]`` of ``x M^-1 - b M^-1`` (``inverse`` float64 ``[H, D, D]``, ``shift`` ``[H, D]``)."""
-    if array is None:
-        return None
-    array, head_dim = array[window_loop:window_loop + 1], array.shape[-1]
-    if array.dtype == jnp.bfloat16:  # one product of bfloat16 values (exact at any float32 precision)
-        both = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32), _split_bfloat16(inverse).astype(jnp.float32),
-                          precision=jax.lax.Precision.DEFAULT)
+WINDOW_PARTS = ("sink", "ring")
+
+
+def _moved_windows(windows: dict, window_loop: int, inverses: np.ndarray, shifts: np.ndarray) -> dict:
+    """Window ``window_loop`` of the sink and ring keys and values (each ``[loops, S, H, T, D]``, or None) in the
+    source's basis, all in one product: ``x M^-1 - b M^-1`` (``inverses`` float64 ``[2, H, D, D]`` and ``shifts``
+    ``[2, H, D]``, keys' then values'). Returns float32 ``[1, S, H, T, D]`` per window (None where absent)."""
+    parts = [part for part in WINDOW_PARTS if windows[f"{part}_keys"] is not None]
+    moved = {f"{part}_{kind}": None for part in WINDOW_PARTS for kind in ("keys", "values")}
+    if not parts:
+        return moved
+    joined = jnp.stack([jnp.concatenate([windows[f"{part}_{kind}"][window_loop] for part in parts], axis=2)
+                        for kind in ("keys", "values")])  # [2, S, H, T, D]: the parts joined along the tokens
+    head_dim = joined.shape[-1]
+    if joined.dtype == jnp.bfloat16:  # one product of bfloat16 values (exact at any float32 precision)
+        both = jnp.einsum("kshtd,khde->kshte", joined.astype(jnp.float32),
+                          _split_bfloat16(inverses).astype(jnp.float32), precision=jax.lax.Precision.DEFAULT)
         product = both[..., :head_dim] + both[..., head_dim:]
     else:
-        product = jnp.einsum("lshtd,hde->lshte", array.astype(jnp.float32), jnp.asarray(inverse, jnp.float32),
+        product = jnp.einsum("kshtd,khde->kshte", joined.astype(jnp.float32), jnp.asarray(inverses, jnp.float32),
                              precision=jax.lax.Precision.HIGHEST)
-    return product - shift[:, None]
+    product = product - jnp.asarray(shifts, jnp.float32)[:, None, :, None]
+    start = 0
+    for part in parts:
+        tokens = windows[f"{part}_keys"].shape[3]
+        for index, kind in enumerate(("keys", "values")):
+            moved[f"{part}_{kind}"] = product[index:index + 1, :, :, start:start + tokens]
+        start += tokens
+    return moved
 
 
 MAP_PRECISION = jax.lax.Precision.HIGH
