@@ -382,9 +382,9 @@ def _moved_windows(windows: dict, window_loop: int, inverses: np.ndarray, shifts
     return moved
 
 
-MAP_PRECISION = jax.lax.Precision.HIGH
-"""Precision of the query's and the output's maps around a predicted loop's kernel (float32 operands; on GPUs
-three bfloat16 products, about 2**-16 of each term)."""
+MAP_PRECISION = jax.lax.Precision.HIGHEST
+"""Precision of the query's and the output's maps around a predicted loop's kernel: full float32 (at ``HIGH`` an
+H100 multiplies float32 operands as TF32, 4e-4 to 6e-4 of the query's map: call 70, ``bench/E2E.md``)."""
 
 
 def _split_bfloat16(matrix: np.ndarray):
