@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import jax
 import numpy as np
 
 from ... import allocation
@@ -94,6 +95,7 @@ def sensitivity(params, model: ouro.OuroConfig, held_out: np.ndarray, settings: 
         bits[name] = (storage.key_spec.bits_per_element() + storage.value_spec.bits_per_element()) / 2
         log(f"[{index}/{len(candidates)}] {name[0]} {name[1]}: loop {loop + 1} errors "
             + " ".join(f"{e:.3f}" for e in errors[name][loop]))
+        jax.clear_caches()  # each candidate's cache functions are compiled for it alone (0.4 GiB each, kept otherwise)
     residuals = residual_entries()
     flashloop = errors[("flashloop", "")]
     return Sensitivity(
