@@ -39,7 +39,9 @@ from jflashloop.ops._decode_attention import kernel_inputs, rotated_inputs, unro
 from jflashloop_triton_kernels import launch as gluon_launch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tools")
 import decode as bench
+import trace_calls
 
 # Indices 0-8: T32K, B1 T64K, T128K, T4K, head_dim 64, head_dim 256, B16 Hq16 Hkv16 T8K, one layer of the
 # Ouro-1.4B-shaped looped model's end-to-end step at batch 8 and 16K tokens (bench/end_to_end.py), and the same
@@ -243,11 +245,7 @@ def gpu_timeline(call, directory, repeats):
 
 def timeline_of(trace, repeats):
     """:class:`Timeline` of an ``.xplane.pb`` trace holding ``repeats`` calls; None without GPU kernels."""
-    kernels = sorted((event.start_ns / 1e3, (event.start_ns + event.duration_ns) / 1e3, event.name)
-                     for plane in jax.profiler.ProfileData.from_file(str(trace)).planes
-                     if plane.name.startswith("/device:GPU")
-                     for line in plane.lines if line.name.startswith("Stream")
-                     for event in line.events)
+    kernels = trace_calls.gpu_kernels(trace)
     if not kernels:
         return None
     busy, reach, per_name = 0.0, kernels[0][0], {}

@@ -18,10 +18,10 @@ import jax
 import numpy as np
 
 
-def gpu_kernels(path: str) -> list[tuple[int, int, str]]:
-    """``(start ns, duration ns, name)`` of every GPU kernel of the trace, in start order."""
-    return sorted((event.start_ns, event.duration_ns, event.name)
-                  for plane in jax.profiler.ProfileData.from_file(path).planes
+def gpu_kernels(path) -> list[tuple[float, float, str]]:
+    """``(start us, end us, name)`` of every GPU kernel of an ``.xplane.pb`` trace, in start order."""
+    return sorted((event.start_ns / 1e3, (event.start_ns + event.duration_ns) / 1e3, event.name)
+                  for plane in jax.profiler.ProfileData.from_file(str(path)).planes
                   if plane.name.startswith("/device:GPU")
                   for line in plane.lines if line.name.startswith("Stream")
                   for event in line.events)
@@ -42,13 +42,13 @@ def main() -> None:
     kernels = gpu_kernels(args.trace)
     if not kernels:
         raise SystemExit(f"{args.trace}: no GPU kernels")
-    busy = sum(duration for _, duration, _ in kernels) / 1e6
-    span = (kernels[-1][0] + kernels[-1][1] - kernels[0][0]) / 1e6
+    busy = sum(end - start for start, end, _ in kernels) / 1e3
+    span = (max(end for _, end, _ in kernels) - kernels[0][0]) / 1e3
     print(f"{len(kernels)} kernels, busy {busy:.3f} ms, span {span:.3f} ms\n")
     totals = collections.defaultdict(lambda: [0, 0.0])
-    for _, duration, name in kernels:
+    for start, end, name in kernels:
         totals[kind(name)][0] += 1
-        totals[kind(name)][1] += duration / 1e6
+        totals[kind(name)][1] += (end - start) / 1e3
     print("| kernel | calls | ms |\n|---|---|---|")
     for name, (count, ms) in sorted(totals.items(), key=lambda item: -item[1][1])[:args.top]:
         print(f"| {name[:90]} | {count} | {ms:.3f} |")
@@ -56,16 +56,16 @@ def main() -> None:
     if not calls or len(calls) % args.loops:
         raise SystemExit(f"\n{len(calls)} calls of {args.kernel!r}: not a multiple of {args.loops} loops")
     layers = len(calls) // args.loops
-    own = np.array([kernels[i][1] / 1e3 for i in calls]).reshape(args.loops, layers)
+    own = np.array([kernels[i][1] - kernels[i][0] for i in calls]).reshape(args.loops, layers)
     after = [kernels[a + 1:b] for a, b in zip(calls, [*calls[1:], len(kernels)], strict=True)]
-    between = np.array([sum(duration for _, duration, _ in run) / 1e3 for run in after]).reshape(args.loops, layers)
+    between = np.array([sum(end - start for start, end, _ in run) for run in after]).reshape(args.loops, layers)
     print(f"\n{len(calls)} attention calls ({args.loops} loops x {layers} layers), us a call:\n")
     print("| loop | page kernel | other kernels up to the next call | largest of them (us a call) |\n|---|---|---|---|")
     for loop in range(args.loops):
         named = collections.Counter()
         for run in after[loop * layers:(loop + 1) * layers]:
-            for _, duration, name in run:
-                named[kind(name)] += duration / 1e3 / layers
+            for start, end, name in run:
+                named[kind(name)] += (end - start) / layers
         largest = ", ".join(f"{name[:40]} {us:.1f}" for name, us in named.most_common(4))
         print(f"| {loop + 1} | {own[loop].mean():.1f} | {between[loop].mean():.1f} | {largest} |")
 
