@@ -365,7 +365,12 @@ def int2_lloyd_max(head_dim: int, seed: int = 0) -> CodecSpec:
 
 
 def int3_lloyd_max(head_dim: int, seed: int = 0) -> CodecSpec:
-    """3-bit Lloyd-Max N(0,1) levels per (token, head) after a randomized Hadamard (3 + 16/D bits)."""
+    """3-bit Lloyd-Max N(0,1) levels per (token, head) after a randomized Hadamard (3 + 16/D bits).
+
+    For a float32, bfloat16 or float16 ``[T, H, head_dim]`` tensor (``head_dim`` a power of two; in a cache's pages
+    a multiple of 32): ``payload`` uint8 ``[T, H, 3 * head_dim / 8]`` (INT3's packing), ``scale`` float16
+    ``[T, H, 1]`` (the rotated row's RMS); ``seed`` picks the rotation's signs.
+    """
     return CodecSpec("int3_lloyd_max", "token", head_dim, rotation_seed=seed)
 
 
