@@ -96,14 +96,15 @@ def test_pipelined_kernel_compiles_for_other_formats(format):
     assert _count(ptx, r"mma\.sync\.aligned\.m16n8k16") > 0 and _count(ptx, r"st\.shared") == 0
 
 
-@pytest.mark.parametrize("format, group", [("nvfp4", 1), ("int4_rotated", 4)])
-def test_sparse_rows_of_the_dense_format_stay_in_registers(format, group):
+@pytest.mark.parametrize("format, group, streams, scaled", [
+    ("nvfp4", 1, 1, None), ("int4_rotated", 4, 1, None), ("nvfp4", 1, 2, True)])
+def test_sparse_rows_of_the_dense_format_stay_in_registers(format, group, streams, scaled):
     """A direct chain's loop 4 in NVFP4 or int4_rotated (one dense stream, two sparse loops of rows in the
-    same format, one staggered stage, as the library launches it): no decoded tile through shared memory,
-    no spills (ptxas, sm_90a)."""
+    same format, one staggered stage, as the library launches it), and NVFP4's residual chain with its
+    values on the probabilities: no decoded tile through shared memory, no spills (ptxas, sm_90a)."""
     compiled = compile_check.compile_pages_kernel(
-        "pipelined", format=format, rows_format=format, streams=1, sparse=(16, 7), stages=1, stagger=True,
-        group=group, value_group=16 if format == "nvfp4" else 128)
+        "pipelined", format=format, rows_format=format, streams=streams, sparse=(16, 7), stages=1, stagger=True,
+        group=group, value_group=16 if format == "nvfp4" else 128, scaled=scaled)
     ptx = compiled.asm["ptx"]
     assert _count(ptx, r"st\.shared") == 0 and _count(ptx, r"wgmma") == 0
     resources = compile_check.ptxas_resources(ptx, "sm_90a")

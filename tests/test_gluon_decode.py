@@ -316,6 +316,29 @@ def test_values_scaled_on_the_probabilities(rng, head_dim, group, loops, value_s
     assert not np.array_equal(results[True], results[False])
 
 
+@pytest.mark.parametrize("head_dim, group, direct", [(64, 2, False), *gpu_only((128, 1, False), (128, 1, True))])
+def test_nvfp4_chains_scaled_on_the_probabilities_with_nvfp4_rows(rng, head_dim, group, direct):
+    """NVFP4 chains whose sparse rows are NVFP4 too take the scaled values: the dense streams' E2M1 values
+    against the probabilities times their block scales, each row added as values to every column of the
+    products (the query's rows repeat in each block). Within the reference's tolerance, not the decoded
+    path's bits, and the rows count (without loop 4's residual rows the output moves by more)."""
+    base = small_config(num_loops=4, page_size=64, head_dim=head_dim, max_pages_per_sequence=40, num_pages=128,
+                        num_kv_heads=2, direct_loop=direct)
+    config = _format_chain(base, (jflashloop.NVFP4,) * 2, (jflashloop.NVFP4,) * 2)
+    cache, _ = build(rng, config, prompt_lengths=[5 * 64 + 9, 3, 2 * 64], steps=2)
+    queries = jnp.asarray(rng.standard_normal((3, 2 * group, head_dim)) * 2, jnp.float32)
+    expected = jflashloop.decode_attention_reference(queries, cache, 1, 3, include_pending=True)
+    results = {}
+    for scaled in (True, False):
+        results[scaled] = np.asarray(gluon_attention(queries, cache, 1, include_pending=True, loop=3,
+                                                     options=dict(scaled_values=scaled)))
+        errors = relative_errors(results[scaled], expected)
+        assert (errors < TOLERANCE).all(), (scaled, errors)
+    assert not np.array_equal(results[True], results[False])
+    without = jflashloop.decode_attention_reference(queries, cache, 1, 2, include_pending=True)
+    assert (relative_errors(without, expected) > 10 * relative_errors(results[True], expected)).any()
+
+
 def test_scaled_values_refuse_what_they_cannot_read():
     """Lazy rescaling: its probabilities reach 2**8, and times a value scale they could overflow float16."""
     config = one_loop_config(64, 16, num_kv_heads=1, max_pages_per_sequence=4, num_pages=8)
@@ -340,6 +363,9 @@ def test_where_values_can_be_scaled_on_the_probabilities():
     assert not can(4, format="nvfp4") and can(8, format="int4_rotated") and not can(9, format="int4_rotated")
     assert can(1, format="nvfp4") and not can(2, format="nvfp4") and can(2, head_dim=64, format="nvfp4")
     assert not can(1, head_dim=256, format="nvfp4") and not can(1, format="nvfp4", sparse_loops=1)
+    assert can(1, format="nvfp4", sparse_loops=2, row_format="nvfp4")
+    assert not can(2, format="nvfp4", sparse_loops=2, row_format="nvfp4")
+    assert not can(1, format="nvfp4", sparse_loops=2, row_format="int2")
     assert not can(4, format="int4_rotated", sparse_loops=2) and not can(4, format="int4_rotated", lazy=True)
     assert launch.preferred_scaled_values(format="int4", head_dim=128, value_group=64, group=4)
     assert (launch.preferred_scaled_values(format="int4_rotated", head_dim=128, value_group=64, group=4)

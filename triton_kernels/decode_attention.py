@@ -255,15 +255,17 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         raise ValueError("persistent programs run the pipelined kernel's plain loop of two stages")
     items = sequences * programs * slots
     persistent = min(persistent, items)
+    rows_format = _stream_format(sparse[0]["keys"], head_dim) if sparse else 0
     where = dict(format=("int4", "nvfp4", "int4_rotated")[stream_format], head_dim=head_dim,
-                 value_group=value_group, group=group, row_blocks=row_blocks, lazy=lazy, sparse_loops=len(sparse))
+                 value_group=value_group, group=group, row_blocks=row_blocks, lazy=lazy, sparse_loops=len(sparse),
+                 row_format=("int4", "nvfp4", "int4_rotated", "int2")[rows_format])
     if scaled is None:
         scaled = stages is not None and launch.preferred_scaled_values(**where)
     elif scaled and not (stages is not None and launch.scaled_values(**where)):
         raise ValueError("scaled values need the pipelined kernel, one row block and no lazy rescaling, and "
                          "INT4 streams with at most 8 / (head_dim / value_group) query rows, NVFP4 streams with "
-                         "at most 8 / (head_dim / 16) and no sparse loops, or int4_rotated streams without "
-                         "sparse loops")
+                         "at most 8 / (head_dim / 16) and no sparse loops or NVFP4 rows, or int4_rotated "
+                         "streams without sparse loops")
     if stages is not None:  # the pipelined kernel: the sequence state, not the bounds
         if state is None:
             raise ValueError("the pipelined kernel reads the sequence state (lengths, active)")
@@ -285,7 +287,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                 arrays += [*stream_arrays(keys), *stream_arrays(values), block_tables]
         extra.update(SPARSE=len(sparse), R3=sparse_rows[0] if sparse else 16,
                      R4=sparse_rows[1] if len(sparse) > 1 else 16,
-                     ROWS_FORMAT=_stream_format(sparse[0]["keys"], head_dim) if sparse else 0)
+                     ROWS_FORMAT=rows_format)
         out_shape += [
             jax.ShapeDtypeStruct((sequences, kv_heads * (merge_group or 1), head_dim) if merge_group else (1,),
                                  jnp.float32),

@@ -2014,9 +2014,14 @@ def int4_pages_kernel_v2(
     NG: gl.constexpr = D // GV
     SG: gl.constexpr = _scale_groups(FORMAT, D, GV)  # value scales per token
     GP: gl.constexpr = _query_columns(SCALED, SG)  # columns of the value products per scale group
-    gl.static_assert((not SCALED) | (((FORMAT == INT4) | (SPARSE == 0)) & (GROUP <= GP) & (not LAZY) & (RB == 1)),
-                     "SCALED reads INT4 values, or NVFP4 or int4_rotated values without sparse loops; "
-                     "GROUP * SG <= 8 query rows (SG value scales a token); no LAZY, one row block")
+    gl.static_assert((not SCALED) | (((FORMAT == INT4) | (SPARSE == 0) | ((FORMAT == NVFP4) & (ROWS_FORMAT == NVFP4)))
+                                     & (GROUP <= GP) & (not LAZY) & (RB == 1)),
+                     "SCALED reads INT4 values, NVFP4 values with NVFP4 rows or none, or int4_rotated values "
+                     "without sparse loops; GROUP * SG <= 8 query rows (SG value scales a token); no LAZY, one "
+                     "row block")
+    # Rows as codes against the probabilities times their scales (INT4 and INT2 rows under SCALED); NVFP4 rows
+    # add values (with SCALED, every column of a row's product holds the query's probabilities).
+    ROW_CODES: gl.constexpr = SCALED & ((ROWS_FORMAT == INT4) | (ROWS_FORMAT == INT2))
     TO_SCORES: gl.constexpr = 1.0 / KEY_UNIT if FORMAT == INT4 else 1.0  # a page's products -> scores
     MMA: gl.constexpr = _mma()
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
@@ -2038,7 +2043,7 @@ def int4_pages_kernel_v2(
         VT3: gl.constexpr = _value_tile_layout(RP3, W)
         KS3: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP3, W], gl.uint32, layout=KW3),
                                                          [RP3, NG, W // NG]).type.layout)
-        if SCALED:
+        if ROW_CODES:
             # the rows' value (scale, min) [NG, RP3] beside their gathered probabilities (_scaled_probabilities)
             VS3: gl.constexpr = gl.SliceLayout(1, gl.reshape(_top_rows(gl.zeros([16, RP3], gl.float32, layout=MMA),
                                                                           RP3), [NG, 8 // NG, RP3]).type.layout)
@@ -2055,7 +2060,7 @@ def int4_pages_kernel_v2(
         VT4: gl.constexpr = _value_tile_layout(RP4, W)
         KS4: gl.constexpr = gl.SliceLayout(2, gl.reshape(gl.zeros([RP4, W], gl.uint32, layout=KW4),
                                                          [RP4, NG, W // NG]).type.layout)
-        if SCALED:
+        if ROW_CODES:
             # the rows' value (scale, min) [NG, RP4] beside their gathered probabilities (_scaled_probabilities)
             VS4: gl.constexpr = gl.SliceLayout(1, gl.reshape(_top_rows(gl.zeros([16, RP4], gl.float32, layout=MMA),
                                                                           RP4), [NG, 8 // NG, RP4]).type.layout)
@@ -2289,10 +2294,10 @@ def int4_pages_kernel_v2(
                 current, current_live = _page_tile(step, count, first, seq, head, table_ptr, pool_pages, max_pages)
                 if SPARSE >= 1:  # the sparse rows' metadata, from memory (used after the dense work of the page)
                     meta3 = _sparse_meta(current, ks3_ptr, km3_ptr, vs3_ptr, vm3_ptr, pos3_ptr, R3, RP3, NG, KS3, VS3, SB3,
-                                         GB3, SCALED, ROWS_FORMAT, KW3, VT3, gl.SliceLayout(0, MMA), GC3)
+                                         GB3, ROW_CODES, ROWS_FORMAT, KW3, VT3, gl.SliceLayout(0, MMA), GC3)
                 if SPARSE >= 2:
                     meta4 = _sparse_meta(current, ks4_ptr, km4_ptr, vs4_ptr, vm4_ptr, pos4_ptr, R4, RP4, NG, KS4, VS4, SB4,
-                                         GB4, SCALED, ROWS_FORMAT, KW4, VT4, gl.SliceLayout(0, MMA), GC4)
+                                         GB4, ROW_CODES, ROWS_FORMAT, KW4, VT4, gl.SliceLayout(0, MMA), GC4)
                 if STAGGERED:
                     async_copy.wait_group(1)  # this page's keys have landed (its values may be in flight)
                 else:
@@ -2360,10 +2365,10 @@ def int4_pages_kernel_v2(
                                                     CHUNK, W, D, NG, A_OP, B_OP, VT, VS, FORMAT, SCALED)
                     if SPARSE >= 1:
                         acc, mins = _add_sparse_values(acc, mins, weights, vw3_s, stage, meta3, c, RP3, CHUNK, W, D, NG,
-                                                       MMA, A_OP, B_OP, VT3, GB3, VA3, SCALED, ROWS_FORMAT)
+                                                       MMA, A_OP, B_OP, VT3, GB3, VA3, ROW_CODES, ROWS_FORMAT)
                     if SPARSE >= 2:
                         acc, mins = _add_sparse_values(acc, mins, weights, vw4_s, stage, meta4, c, RP4, CHUNK, W, D, NG,
-                                                       MMA, A_OP, B_OP, VT4, GB4, VA4, SCALED, ROWS_FORMAT)
+                                                       MMA, A_OP, B_OP, VT4, GB4, VA4, ROW_CODES, ROWS_FORMAT)
                 if STAGGERED:  # every value tile of the page is read
                     _copy_page(value_tiles, 0, following, following_live, False, STREAMS, SPARSE, R3, RP3, R4, RP4, PAGE,
                                W, D, NG, FORMAT, ROWS_FORMAT)

@@ -45,21 +45,23 @@ SCALED_NVFP4 = False  # NVFP4 values on the probabilities by default (gluon_deco
 
 
 def scaled_values(*, format: str, head_dim: int, value_group: int, group: int, row_blocks: int = 1,
-                  lazy: bool = False, sparse_loops: int = 0) -> bool:
+                  lazy: bool = False, sparse_loops: int = 0, row_format: str = "int4") -> bool:
     """Whether the pipelined kernel can read values with their scales on the probabilities
     (``gluon_decode``, ``SCALED``): INT4 and int4_rotated values as subnormal codes (with INT4's
     minimums, int4_rotated's zero points beside the softmax sums), NVFP4's as plain E2M1. Each of a
     token's value scales takes a block of the products' 8 columns: a GQA group of at most ``8 /
     (head_dim / value_group)`` query rows for INT4, ``8 / (head_dim / 16)`` for NVFP4 (one at head_dim
     128), 8 for int4_rotated (one scale per token); one row block; no lazy rescaling (whose probabilities
-    reach 2**8: times a float16 scale they could overflow); and for NVFP4 and int4_rotated no sparse
-    loops (the kernel adds their rows as values, not codes)."""
+    reach 2**8: times a float16 scale they could overflow); int4_rotated without sparse loops and NVFP4
+    without them or with NVFP4 rows (``row_format``; the kernel adds those rows as values, which every
+    column of a scaled product can take, not as codes)."""
     if lazy or row_blocks != 1:
         return False
     if format == "int4_rotated":
         return sparse_loops == 0 and group <= 8
     if format == "nvfp4":
-        return sparse_loops == 0 and head_dim <= 128 and group * (head_dim // 16) <= 8
+        return ((sparse_loops == 0 or row_format == "nvfp4") and head_dim <= 128
+                and group * (head_dim // 16) <= 8)
     return format == "int4" and value_group <= head_dim and group * (head_dim // value_group) <= 8
 
 
