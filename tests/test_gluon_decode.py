@@ -372,6 +372,9 @@ def test_where_values_can_be_scaled_on_the_probabilities():
             == launch.SCALED_ROTATED)
     assert (launch.preferred_scaled_values(format="nvfp4", head_dim=128, value_group=64, group=1)
             == launch.SCALED_NVFP4)
+    assert (launch.preferred_scaled_values(streams=2, format="nvfp4", head_dim=128, value_group=64, group=1,
+                                           sparse_loops=2, row_format="nvfp4") == launch.SCALED_NVFP4_PAIRS)
+    assert not launch.preferred_scaled_values(streams=2, format="nvfp4", head_dim=128, value_group=64, group=4)
 
 
 def test_merge_registers_must_be_positive():

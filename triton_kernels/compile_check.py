@@ -93,8 +93,9 @@ def compile_pages_kernel(kernel: str = "pipelined", *, head_dim: int = 128, page
         constants.update(MERGE=merge, GROUP=group, PRECISE=precise, QSCALE=0.12753, PENDING=1, CAPACITY=1 << 20,
                          RECENT=64, RB=row_blocks, LAZY=lazy, OVERLAP=overlap, STAGGER=stagger,
                          SCALED=launch.preferred_scaled_values(
-                             format=format, head_dim=head_dim, value_group=value_group, group=group,
-                             row_blocks=row_blocks, lazy=lazy, sparse_loops=len(sparse)) if scaled is None else scaled,
+                             streams=streams, format=format, head_dim=head_dim, value_group=value_group, group=group,
+                             row_blocks=row_blocks, lazy=lazy, sparse_loops=len(sparse), row_format=rows_format)
+                         if scaled is None else scaled,
                          MERGE_REGS=launch.MERGE_REGISTERS if merge_registers is None else merge_registers,
                          PERSIST=persist)
     heads = [query, "*i32", "*i32", "*i1"] if pipelined else POINTERS  # query, table, (lengths, active | bounds)

@@ -198,8 +198,9 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
         at head_dim 128).
       stagger: with one stage (pipelined kernel), copy a page's keys and its
         values as two groups, each behind the other half of a page's work.
-      scaled: INT4 or int4_rotated values as subnormal codes, their scales (and
-        minimums or zero points) on the probabilities (pipelined kernel); None:
+      scaled: INT4 or int4_rotated values as subnormal codes, NVFP4's as E2M1
+        values, their scales (and minimums or zero points) on the probabilities
+        (pipelined kernel); None:
         :func:`jflashloop_triton_kernels.launch.preferred_scaled_values`.
       persistent: > 0: a grid of at most that many persistent programs, each
         taking the (sequence, row program, slot) items in turn, the next
@@ -260,7 +261,7 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
                  value_group=value_group, group=group, row_blocks=row_blocks, lazy=lazy, sparse_loops=len(sparse),
                  row_format=("int4", "nvfp4", "int4_rotated", "int2")[rows_format])
     if scaled is None:
-        scaled = stages is not None and launch.preferred_scaled_values(**where)
+        scaled = stages is not None and launch.preferred_scaled_values(streams=1 if residual is None else 2, **where)
     elif scaled and not (stages is not None and launch.scaled_values(**where)):
         raise ValueError("scaled values need the pipelined kernel, one row block and no lazy rescaling, and "
                          "INT4 streams with at most 8 / (head_dim / value_group) query rows, NVFP4 streams with "
@@ -408,11 +409,12 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       and values, its values behind the next page's scores. None:
       :data:`jflashloop_triton_kernels.launch.STAGGER` (on) where one stage is used
       (the chains' default; faster on an H200: ``bench/RESULTS.md``).
-    * ``scaled_values`` (pipelined kernel, INT4 and int4_rotated): the value
-      codes enter the products as float16 subnormals, their scales (and
+    * ``scaled_values`` (pipelined kernel): the value codes enter the
+      products as float16 subnormals (NVFP4: E2M1 values), their scales (and
       minimums or zero points) join the probabilities. None:
       :func:`jflashloop_triton_kernels.launch.preferred_scaled_values` (INT4
-      wherever it can; int4_rotated not yet).
+      wherever it can; NVFP4 where two dense streams are read; int4_rotated
+      not yet).
     * ``persistent_programs`` (pipelined kernel, two stages, not ``overlap``
       or ``stagger``): at most that many programs, each taking the split-KV
       items in turn, the next item's first page copied during this one's
