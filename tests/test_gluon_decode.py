@@ -347,6 +347,17 @@ def test_scaled_values_refuse_what_they_cannot_read():
         gluon_attention(jnp.ones((1, 8, 64), jnp.float32), cache, 0, options=dict(scaled_values=True, lazy=True))
 
 
+def test_scaled_values_refuse_nvfp4_chains_with_rows_of_another_format(rng):
+    """INT4 rows enter scaled products as codes in the INT4 units NVFP4's chain does not restore: an NVFP4 chain
+    with INT4 rows cannot take scaled values, even where its GQA group could."""
+    base = small_config(num_loops=4, page_size=64, head_dim=128, max_pages_per_sequence=8, num_pages=32,
+                        num_kv_heads=2)
+    config = _format_chain(base, (jflashloop.NVFP4,) * 2, (jflashloop.CodecSpec("int4", "token", 16),) * 2)
+    cache, _ = build(rng, config, prompt_lengths=[70], steps=1)
+    with pytest.raises(ValueError, match="scaled values need"):
+        gluon_attention(jnp.ones((1, 2, 128), jnp.float32), cache, 1, loop=3, options=dict(scaled_values=True))
+
+
 def test_where_values_can_be_scaled_on_the_probabilities():
     """Each value group takes a block of 8 / groups columns: the GQA group must fit in it."""
     from jflashloop_triton_kernels import launch
