@@ -164,6 +164,32 @@ def test_fitted_codecs_are_fitted_to_each_loop_that_stores_them():
         policies.loop_storage("fit", 64)
 
 
+def test_fits_take_the_calibration_windows(monkeypatch):
+    """The fitted codecs and the predicted loops' maps are fitted on ``calibration_sequences`` windows of the
+    calibration seed (the measured batches keep ``sequences``); a count below 1 is refused."""
+    params = ouro.init_params(SMALL, jax.random.PRNGKey(0))
+    held_out = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4000).astype(np.uint8)
+    settings = policies.SweepSettings(tokens=140, prompt_tokens=128, sequences=2, seeds=(0,), query_positions=4,
+                                      calibration_sequences=3)
+    assert settings.calibration().sequences == 3 and settings.calibration().calibration_sequences is None
+    assert policies.SweepSettings(sequences=5).calibration().sequences == 5
+    drawn = []
+    windows = policies.held_out_windows
+    monkeypatch.setattr(policies, "held_out_windows",
+                        lambda text, count, tokens, seed: drawn.append((count, seed)) or windows(text, count, tokens,
+                                                                                                  seed))
+    policy = ("fit", "pred", "int2a 16", "int2a 4")
+    fitted = policies.fitted_specs(params, SMALL, held_out, [policy], settings)
+    predicted = policies.fitted_predicted_loops(params, SMALL, held_out, policy, settings, fitted)
+    assert drawn == [(3, policies.CALIBRATION_SEED)] * 2 and sorted(predicted) == [1]
+    with pytest.raises(ValueError, match="calibration_sequences must be at least 1"):
+        policies.SweepSettings(calibration_sequences=0)
+    from jflashloop.apps.loops import cli
+
+    assert cli.parse_arguments(["--policies", "--calibration-sequences", "24"]).calibration_sequences == 24
+    assert cli.parse_arguments(["--policies"]).calibration_sequences is None
+
+
 def test_predicted_loops_are_fitted_in_order_from_the_reconstruction_before_them():
     identity = LoopPrediction.identity(2, 64)
     assert policies.loop_storage("pred", 64, prediction=identity) == LoopStorage(INT4_VALUES, INT4_VALUES, 0,

@@ -76,13 +76,15 @@ class Sensitivity:
 def sensitivity(params, model: ouro.OuroConfig, held_out: np.ndarray, settings: policies.SweepSettings, *,
                 log=print) -> Sensitivity:
     """Every candidate's per-layer calibration errors (module docstring, step 1): ``len(BASES) + residuals + 1``
-    caches of the calibration windows, each with its fitted codecs and maps."""
+    caches of the calibration windows (``settings.calibration_sequences`` of them), each with its fitted codecs and
+    maps."""
     if model.loops < 2:
         raise ValueError(f"a looped allocation needs at least 2 loops, got {model.loops}")
     candidates = {("base", base): candidate_policy(model, base, f"{policies.PREDICTED} fit") for base in BASES}
     candidates.update({("residual", entry): candidate_policy(model, "fit", entry) for entry in residual_entries()})
     candidates[("flashloop", "")] = policies.FLASHLOOP[:model.loops]
     seed = policies.CALIBRATION_SEED
+    settings = settings.calibration()  # the calibration windows: the fits' and the errors'
     reference = policies.reference_run(params, model, held_out, settings, seed)
     fitted = policies.fitted_specs(params, model, held_out, candidates.values(), settings, seed)
     errors, bits = {}, {}

@@ -42,6 +42,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --policies: one batch of --sequences windows per seed (default: --seed)")
     parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
                         help="with --policies: only these policies (names of policies.POLICIES)")
+    parser.add_argument("--calibration-sequences", type=int, default=None, metavar="N",
+                        help="with --policies: windows of the calibration seed the fitted codecs, the maps of "
+                             "predicted loops and --allocate's choice are fitted on (default: --sequences)")
     parser.add_argument("--allocate", type=float, nargs="+", default=None, metavar="BYTES",
                         help="(a --policies run) loops 1-2 chosen per layer on calibration windows in at most BYTES "
                              "full-page bytes a token (jflashloop.apps.loops.allocation), measured beside "
@@ -54,7 +57,8 @@ def allocated_policies(args, checkpoint, corpus, settings, log) -> tuple[dict, s
     model = checkpoint.config
     found = allocation.sensitivity(checkpoint.params, model, corpus.held_out, settings, log=log)
     chosen, lines = {}, [
-        f"Allocated on the calibration windows (seed {policies.CALIBRATION_SEED}; FlashLoop's errors there: loop 1 "
+        f"Allocated on the calibration windows (seed {policies.CALIBRATION_SEED}, {settings.calibration().sequences} "
+        f"windows; FlashLoop's errors there: loop 1 "
         f"{found.flashloop[0]:.4f}, loop 2 {found.flashloop[1]:.4f}):", "",
         "| budget bytes/token | base per layer | loop 2 per layer | loop 1 / loop 2 calibration error | "
         "`fitting.fitted_loops` arguments |", "|---|---|---|---|---|"]
@@ -87,7 +91,8 @@ def run_policies(args, checkpoint, corpus) -> str:
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {list(policies.POLICIES)}")
     settings = policies.SweepSettings(tokens=args.tokens, prompt_tokens=args.prompt_tokens,
-                                      sequences=args.sequences, seeds=tuple(args.seeds or (args.seed,)))
+                                      sequences=args.sequences, seeds=tuple(args.seeds or (args.seed,)),
+                                      calibration_sequences=args.calibration_sequences)
     log = (lambda message: None) if args.no_progress else (lambda message: print(message, file=sys.stderr))
     chosen, preface = allocated_policies(args, checkpoint, corpus, settings, log) if args.allocate else ({}, "")
     results = policies.sweep(checkpoint.params, checkpoint.config, corpus.held_out, settings,

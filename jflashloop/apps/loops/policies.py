@@ -286,7 +286,8 @@ def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies,
     """``{(codec, loop): [(key_spec, value_spec) per layer]}`` for every fitted codec a policy stores in a loop.
 
     Fitted (:mod:`jflashloop.fitting`) to that loop's own K/V (the loops that use them are coded on their own)
-    on ``settings.sequences`` held-out windows of ``seed``, with the model's queries at the last 32 positions.
+    on ``settings.calibration_sequences`` held-out windows of ``seed`` (:meth:`SweepSettings.calibration`), with the
+    model's queries at the last 32 positions.
 
     Raises:
       ValueError: a fitted codec in a loop that is a residual (neither the base nor direct) or sparse.
@@ -303,6 +304,7 @@ def fitted_specs(params, model: ouro.OuroConfig, held_out: np.ndarray, policies,
                 raise ValueError(f"{entry!r}: fitted codecs are dense")
     if not wanted:
         return {}
+    settings = settings.calibration()
     token_ids = jnp.asarray(held_out_windows(held_out, settings.sequences, settings.tokens, seed))
     _, keys, values, _ = _forward(params, model, token_ids)
     queries = np.asarray(model_queries(params, model, token_ids, 32), np.float32)
@@ -322,13 +324,15 @@ def fitted_predicted_loops(params, model: ouro.OuroConfig, held_out: np.ndarray,
     """``{loop: [LoopStorage per layer]}``: the fitted storage of every predicted loop of ``policy`` (``"pred ..."``
     entries), for :func:`policy_config`'s ``predicted``.
 
-    On ``settings.sequences`` held-out windows of ``seed``, through the policy's own cache: the maps by
+    On ``settings.calibration_sequences`` held-out windows of ``seed`` (:meth:`SweepSettings.calibration`), through the
+    policy's own cache: the maps by
     :func:`jflashloop.fitting.fit_predicted_loops`, loop by loop (each predicted loop from the loop before as that
     cache reconstructs it), each followed by the codecs of its residual where they are fitted (``"pred fit3.5"``:
     :func:`jflashloop.fitting.fit_residual_codecs`, with the model's queries at the last 32 positions)."""
     loops = [loop for loop, entry in enumerate(policy) if _predicted(entry)]
     if not loops:
         return {}
+    settings = settings.calibration()
     token_ids = jnp.asarray(held_out_windows(held_out, settings.sequences, settings.tokens, seed))
     _, keys, values, _ = _forward(params, model, token_ids)  # [loops, layers, windows, T, H, D]
     keys, values = (np.asarray(x).transpose(2, 1, 0, 3, 4, 5) for x in (keys, values))
@@ -355,13 +359,25 @@ def fitted_predicted_loops(params, model: ouro.OuroConfig, held_out: np.ndarray,
 
 @dataclasses.dataclass(frozen=True)
 class SweepSettings:
-    """Windows of ``tokens`` bytes, ``prompt_tokens`` prefilled, the rest teacher forced; one batch per seed."""
+    """Windows of ``tokens`` bytes, ``prompt_tokens`` prefilled, the rest teacher forced; one batch of ``sequences``
+    windows per seed. The fitted codecs and maps (and ``jflashloop loops --allocate``'s choice) are fitted on
+    ``calibration_sequences`` windows of :data:`CALIBRATION_SEED` (None: ``sequences``)."""
 
     tokens: int = 512
     prompt_tokens: int = 192
     sequences: int = 8
     seeds: tuple[int, ...] = (0, 1, 2)
     query_positions: int = 8
+    calibration_sequences: int | None = None
+
+    def __post_init__(self):
+        if self.calibration_sequences is not None and self.calibration_sequences < 1:
+            raise ValueError(f"calibration_sequences must be at least 1 (or None), got {self.calibration_sequences}")
+
+    def calibration(self) -> SweepSettings:
+        """These settings with ``sequences`` the calibration windows' count (the batch of the fits)."""
+        return dataclasses.replace(self, sequences=self.calibration_sequences or self.sequences,
+                                   calibration_sequences=None)
 
 
 def reference_run(params, model: ouro.OuroConfig, held_out: np.ndarray, settings: SweepSettings, seed: int
