@@ -72,6 +72,14 @@ COMPACT_LOOPS = ("int4", "direct int4", "int2a 24", "int2a 10")
 """``CacheConfig.compact_loops``'s policy at 64-token pages: INT4 base, dense INT4 loop 2 stored on its own,
 affine INT2 G64 rows for 37.5 % and 15 % of each page."""
 
+ALLOCATED_8X = (("fit3.5", "fit3", "fit3.5", "fit"),
+                ("pred fit/int4", "pred fit3.5/int3lm", "pred fit3/int3lm", "pred fit3/int3lm"), "pred", "pred")
+"""The shipped looped checkpoint's layout at 2,040 bytes a token (8.03x four BF16 caches) with FlashLoop's policy's
+quality or better in every loop and in KL (``bench/LOOPS.md``, "Fits on more calibration windows"): per layer, the
+base in fitted codecs (mean key widths 3.5, 3, 3.5, 4), loop 2 predicted from loop 1 with its residual's keys fitted
+(4, 3.5, 3, 3) and values in INT4 G64 then ``int3_lloyd_max``, loops 3-4 predicted with nothing stored; as
+``jflashloop loops --allocate 2040 --calibration-sequences 24`` chose it. Fitted on 24 calibration windows."""
+
 FITTED_CODECS = {"fit5": 5.0, "fit4.5": 4.5, "fit": 4.0, "fit3.5": 3.5, "fit3": 3.0}
 """The fitted codecs of a dense loop coded on its own: the mean key width (values: ``int4_scaled``)."""
 CALIBRATION_SEED = 100
@@ -155,6 +163,7 @@ POLICIES: dict[str, tuple[Entry, ...]] = {
     "allocated 8x, predicted loops 3-4": (("fit", "fit3.5", "fit3.5", "fit3.5"),
                                           ("pred fit3.5", "pred fit3/int3", "pred fit3/int3", "pred fit3/int3"),
                                           "pred", "pred"),
+    "allocated 8.03x": ALLOCATED_8X,
 }
 
 
