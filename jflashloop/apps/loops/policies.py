@@ -334,10 +334,10 @@ def fitted_predicted_loops(params, model: ouro.OuroConfig, held_out: np.ndarray,
     entries), for :func:`policy_config`'s ``predicted``.
 
     On ``settings.calibration_sequences`` held-out windows of ``seed`` (:meth:`SweepSettings.calibration`), through the
-    policy's own cache: the maps by
-    :func:`jflashloop.fitting.fit_predicted_loops`, loop by loop (each predicted loop from the loop before as that
-    cache reconstructs it), each followed by the codecs of its residual where they are fitted (``"pred fit3.5"``:
-    :func:`jflashloop.fitting.fit_residual_codecs`, with the model's queries at the last 32 positions)."""
+    policy's own cache: the maps by :func:`jflashloop.fitting.fit_predicted_loops`, loop by loop (each predicted loop
+    from the loop before as that cache reconstructs it), each followed by the codecs of its residual where they are
+    fitted (``"pred fit3.5"``: :func:`jflashloop.fitting.fit_residual_codecs`, with the model's queries at the last 32
+    positions)."""
     loops = [loop for loop, entry in enumerate(policy) if _predicted(entry)]
     if not loops:
         return {}
