@@ -142,6 +142,10 @@ def merge_partials(output, total, running_max, group: int, *, emulate: bool = Fa
                             num_warps=launch["WARPS"], name="jflashloop_merge_splits", **constants)[0]
 
 
+FORMAT_NAMES = ("int4", "nvfp4", "int4_rotated", "int2")
+"""The formats of the Gluon kernel's format constants (:func:`_stream_format`), by constant."""
+
+
 def _stream_format(stream, head_dim: int) -> int:
     """The Gluon kernel's format constant of a stream's arrays: 0 INT4 (a minimum, 8 codes a word), 1
     NVFP4 (a tile scale), 2 int4_rotated, 3 affine INT2 (a minimum, 16 codes a word: sparse rows)."""
@@ -257,9 +261,9 @@ def page_partials(query, block_tables, bounds, keys: dict[str, Any], values: dic
     items = sequences * programs * slots
     persistent = min(persistent, items)
     rows_format = _stream_format(sparse[0]["keys"], head_dim) if sparse else 0
-    where = dict(format=("int4", "nvfp4", "int4_rotated")[stream_format], head_dim=head_dim,
+    where = dict(format=FORMAT_NAMES[stream_format], head_dim=head_dim,
                  value_group=value_group, group=group, row_blocks=row_blocks, lazy=lazy, sparse_loops=len(sparse),
-                 row_format=("int4", "nvfp4", "int4_rotated", "int2")[rows_format])
+                 row_format=FORMAT_NAMES[rows_format])
     if scaled is None:
         scaled = stages is not None and launch.preferred_scaled_values(streams=1 if residual is None else 2, **where)
     elif scaled and not (stages is not None and launch.scaled_values(**where)):
