@@ -31,6 +31,7 @@ from jflashloop import (
     paged_cache,
     persistence,
 )
+from jflashloop.apps.loops import policies as loop_policies
 from jflashloop_pallas_kernels import decode_attention as pallas_decode
 from jflashloop_pallas_kernels import nvfp4_pages
 from jflashloop_triton_kernels import compile_check
@@ -427,6 +428,9 @@ BAD_INPUTS = [
          "page_size": 64, "layers": [{"keys": {"format": "int4", "axis": "channel", "group_size": 0},
                                       "values": {"format": "int4", "axis": "token", "group_size": 64}}]}),
      ValueError, "layers\\[0\\].keys is not a valid CodecSpec: CodecSpec.group_size must be >= 1, got 0"),
+    ("SweepSettings: calibration_sequences 0",
+     lambda: loop_policies.SweepSettings(calibration_sequences=0),
+     ValueError, "calibration_sequences must be at least 1 \\(or None\\), got 0"),
     ("CodecSpec int_mixed: heads whose widths sum differently",
      lambda: jflashloop.CodecSpec("int_mixed", "channel", 64, channel_bits=[[4, 4], [4, 3]]),
      ValueError, "CodecSpec.channel_bits: every head's widths must sum to the same row width, got \\[8, 7\\]"),
