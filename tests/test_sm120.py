@@ -171,24 +171,46 @@ def test_split_count(pairs, max_pages, expected):
     assert gluon_launch.split_count(pairs, max_pages) == expected
 
 
-@pytest.mark.parametrize("pairs, max_pages, splits, expected", [
-    (304, 520, 7, 6),  # B19 Hkv16 T32K: 2128 programs (two waves of 1056 and 16) -> 1824
-    (152, 520, 14, 13),  # 2128 -> 1976
-    (64, 512, 32, 32),  # B8 Hkv8 T32K: 2048, a second wave 94% full
-    (16, 1024, 64, 64),  # B1 Hkv16 T64K: 1024, under one wave
-    (96, 256, 16, 16),  # B32 Hkv3 T16K: 1536, a second wave 45% full
-    (96, 520, 22, 22),  # 2112: exactly two waves
-    (1203, 513, 2, 2),  # 2406: a third wave 28% full
-    (1, 3, 1, 1),
+@pytest.mark.parametrize("pairs, max_pages, splits, resident, expected", [
+    (304, 520, 7, 8, 10),  # B19 Hkv16 T32K: 2128 programs (three rounds of 75 pages) -> 3040 (three of 52)
+    (152, 520, 14, 8, 20),  # 2128 -> 3040
+    (64, 512, 32, 8, 32),  # B8 Hkv8 T32K: 2048, two rounds of 16 pages (as 16 splits' one round of 32)
+    (16, 1024, 64, 8, 64),  # B1 Hkv16 T64K: 1024, within one wave
+    (96, 256, 16, 8, 11),  # B32 Hkv3 T16K: 1536 (a second wave 45% full) -> 1056, one wave of 24 pages
+    (96, 520, 22, 8, 22),  # 2112: exactly two waves
+    (1203, 513, 2, 8, 4),  # 2406: three rounds of 257 pages -> 4812, five of 129
+    (1, 3, 1, 8, 1),
+    (64, 512, 32, 12, 24),  # one NVFP4 stream (12 an SM), B8 Hkv8 T32K: 2048 (1.3 waves of 1584) -> 1536
+    (128, 256, 16, 12, 12),  # B8 Hkv16 T16K: 2048 -> 1536
+    (16, 1024, 64, 12, 64),  # within one wave
+    (64, 2048, 32, 8, 32),  # B8 Hkv8 T128K: 33 splits would save 1.6% (below WAVE_MIN_GAIN)
 ])
-def test_wave_fitted_splits_moves_off_a_thin_last_wave(pairs, max_pages, splits, expected):
+def test_wave_fitted_splits_counts_the_rounds(pairs, max_pages, splits, resident, expected):
     assert gluon_launch.split_count(pairs, max_pages) == splits
-    fitted = gluon_launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=132)
+    fitted = gluon_launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=132, resident=resident)
     assert fitted == expected
-    wave = gluon_launch.programs_per_wave(132)
-    programs = pairs * fitted
-    assert programs <= wave or programs % wave == 0 or programs % wave >= gluon_launch.TAIL_MIN_FILL * wave
-    assert gluon_launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=None) == splits  # no GPU: unchanged
+    wave = gluon_launch.programs_per_wave(132, resident)
+    assert wave == 132 * resident
+
+    def time(count):  # rounds x pages per split
+        return -(-pairs * count // wave) * -(-max_pages // count)
+
+    assert fitted == splits or time(fitted) <= (1 - gluon_launch.WAVE_MIN_GAIN) * time(splits)
+    for count in range(max(1, -(-splits // 2)), min(2 * splits, -(-max_pages // 8)) + 1):
+        assert fitted == splits or time(fitted) <= time(count)  # none of the candidates is faster
+    assert gluon_launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=None, resident=resident) == splits
+
+
+def test_resident_programs():
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128) == 12
+    assert gluon_launch.resident_programs(format="int4", head_dim=128) == gluon_launch.PERSISTENT_BLOCKS_PER_SM == 8
+    assert gluon_launch.resident_programs(format="int4", head_dim=64) == 12
+    # chains, sparse loops, other pipeline depths and the overlapped loop: the 8 the plans assumed before
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, streams=2) == 8
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, sparse_rows=(16,)) == 8
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, stages=3) == 8
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, overlap=True) == 8
+    assert gluon_launch.resident_programs(format="int4_rotated", head_dim=128) == 8
 
 
 def test_wave_fitted_splits_keeps_whole_pages_per_split():
@@ -201,6 +223,8 @@ def test_wave_fitted_splits_keeps_whole_pages_per_split():
 def test_wave_fitted_splits_rejects_empty_sizes():
     with pytest.raises(ValueError, match="positive sizes"):
         gluon_launch.wave_fitted_splits(304, 520, 0, sm_count=132)
+    with pytest.raises(ValueError, match="resident=0"):
+        gluon_launch.wave_fitted_splits(304, 520, 7, sm_count=132, resident=0)
 
 
 def test_split_count_rejects_empty_sizes():

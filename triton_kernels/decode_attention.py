@@ -383,8 +383,9 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
       :func:`jflashloop_triton_kernels.launch.preferred_target_programs`), but no fewer than
       ``min_pages_per_split`` pages per program (twice that where a wave
       stays full: :func:`jflashloop_triton_kernels.launch.split_count`); with
-      ``target_programs`` None too, moved off a thin last wave of programs
-      (:func:`jflashloop_triton_kernels.launch.wave_fitted_splits`).
+      ``target_programs`` None too, fitted to whole waves of the kernel's programs
+      (:func:`jflashloop_triton_kernels.launch.wave_fitted_splits`, at
+      :func:`jflashloop_triton_kernels.launch.resident_programs` an SM).
     * ``chunk``: tokens per step inside a page (default: the page);
       ``maxnreg``: a register cap per thread (ptxas; None: the pipelined
       kernel's :func:`jflashloop_triton_kernels.launch.preferred_maxnreg`).
@@ -450,16 +451,14 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     dense = sum(not loop.sparse for loop in loops)  # the chain's dense streams, then its sparse ones
     sparse_rows = tuple(loops[i].keys.rows for i in range(dense, len(loops)))
     if splits is None:
-        fitted = target_programs is None  # the library's own plan: no thin last wave (launch.wave_fitted_splits)
+        fitted = target_programs is None  # the library's own plan, fitted to the kernel's waves below
         if target_programs is None:
             target_programs = launch.preferred_target_programs(format=loops[0].keys.format, streams=len(loops))
         pairs = sequences * kv_heads * row_blocks
         splits = launch.split_count(pairs, max_pages, target_programs=target_programs,
                                     min_pages_per_split=min_pages_per_split)
-        if fitted:
-            splits = launch.wave_fitted_splits(pairs, max_pages, splits,
-                                               sm_count=None if emulate else pallas_launch.local_sm_count(),
-                                               min_pages_per_split=min_pages_per_split)
+    else:
+        fitted = False
     query = None
     if not pipelined or not (fused_windows and not pages_only):  # the simple kernels and the window partials
         query = queries.astype(jnp.float32) * (scale * LOG2_E)
@@ -489,6 +488,13 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                 overlap=overlap, row_format=loops[dense].keys.format if sparse else "int4")
     if default_overlap and stages < 2:  # too little shared memory for a page in flight
         overlap = False
+    if fitted:  # the waves of the kernel that runs (its programs an SM: launch.resident_programs)
+        resident = launch.resident_programs(format=loops[0].keys.format, head_dim=head_dim, streams=streams_read,
+                                            sparse_rows=sparse_rows, stages=stages, overlap=overlap) \
+            if pipelined else launch.PERSISTENT_BLOCKS_PER_SM
+        splits = launch.wave_fitted_splits(pairs, max_pages, splits,
+                                           sm_count=None if emulate else pallas_launch.local_sm_count(),
+                                           min_pages_per_split=min_pages_per_split, resident=resident)
     if merge is None:  # measured: bench/KERNEL_NOTES.md ("Splits, merges and the custom-call target at 48 calls")
         slots = splits + 1 if fused_windows else splits
         merge = preferred_merge(slots, in_kernel=pipelined and fused_windows and not partials_only,

@@ -1,11 +1,13 @@
 """Launch parameters of the Gluon page kernel: split-KV programs and pipeline depth.
 
 :func:`split_count` chooses the programs per (sequence, KV head). The page
-kernel holds 8 one-warp programs per SM (its registers and shared memory both
-limit it there: ncu, ``bench/RESULTS.md``), about 1056 on an H200; a program
-count just above a whole wave leaves most SMs idle for a second round (1152
-programs took 1.4x the time of 2048 at B8 Hq32 Hkv8 T32K), and each program
-pays a fixed start (its query, the first page's latency, its partial).
+kernel holds 8 one-warp programs per SM for INT4 at head_dim 128 (its registers
+and shared memory both limit it there: ncu, ``bench/RESULTS.md``), 1056 on an
+H200 or H100, and 12 for one NVFP4 stream (:func:`resident_programs`); a
+program count just above a whole wave leaves most SMs idle for a second round
+(1152 programs took 1.4x the time of 2048 at B8 Hq32 Hkv8 T32K), so
+:func:`wave_fitted_splits` counts the rounds; each program pays a fixed start
+(its query, the first page's latency, its partial).
 
 The pipelined kernel (``gluon_decode.int4_pages_kernel_v2``) allocates its
 shared memory explicitly: ``STAGES`` copies of each stream's page tile (key
@@ -37,7 +39,8 @@ STAGGER = True  # one stage (chains): keys and values as two copy groups (gluon_
 PERSISTENT_BLOCKS_PER_SM = 8  # INT4, one stream, head_dim 128: 204-226 registers, 8 one-warp programs an SM
 PERSISTENT_MIN_WAVES = 2  # persistent programs by default where the items fill at least this many waves
 PERSISTENT_MIN_FILL = 0.95  # ... and share out evenly over programs that fill this much of a wave
-TAIL_MIN_FILL = 0.25  # a last wave of split programs at least this full (wave_fitted_splits)
+RESIDENT_PROGRAMS = {("nvfp4", 128): 12, ("int4", 64): 12}  # one dense stream, two stages (resident_programs)
+WAVE_MIN_GAIN = 0.05  # a split plan moves to fit the waves for at least this share less time (wave_fitted_splits)
 
 
 SCALED_ROTATED = False  # int4_rotated values on the probabilities by default (gluon_decode; no faster on the H200)
@@ -132,53 +135,77 @@ def split_count(pairs: int, max_pages: int, *, target_programs: int = TARGET_PRO
     return splits
 
 
-def programs_per_wave(sm_count: int) -> int:
-    """Page-kernel programs resident at once on a GPU of ``sm_count`` SMs (:data:`PERSISTENT_BLOCKS_PER_SM`
-    one-warp programs an SM): a wave."""
-    return sm_count * PERSISTENT_BLOCKS_PER_SM
+def resident_programs(*, format: str = "int4", head_dim: int = 128, streams: int = 1,
+                      sparse_rows: tuple[int, ...] = (), stages: int | None = PREFERRED_STAGES,
+                      overlap: bool = False) -> int:
+    """One-warp page-kernel programs an SM holds at once (its registers and shared memory): the
+    :data:`RESIDENT_PROGRAMS` entry of ``(format, head_dim)`` for one dense stream in the plain loop of
+    :data:`PREFERRED_STAGES` stages, else :data:`PERSISTENT_BLOCKS_PER_SM`.
+
+    Measured (ncu, H100, ``bench/KERNEL_NOTES.md``): one NVFP4 stream at head_dim 128 takes 166 registers
+    and 18.4 KB of shared memory, 12 programs an SM; INT4's (224 registers, more shared memory) 8. INT4
+    at head_dim 64: 154 registers and 9.2 KB (ptxas, sm_90a, GQA group 3), 12.
+    """
+    if streams == 1 and not sparse_rows and stages == PREFERRED_STAGES and not overlap:
+        return RESIDENT_PROGRAMS.get((format, head_dim), PERSISTENT_BLOCKS_PER_SM)
+    return PERSISTENT_BLOCKS_PER_SM
+
+
+def programs_per_wave(sm_count: int, resident: int = PERSISTENT_BLOCKS_PER_SM) -> int:
+    """Page-kernel programs resident at once on a GPU of ``sm_count`` SMs, ``resident`` an SM
+    (:func:`resident_programs`): a wave."""
+    return sm_count * resident
 
 
 def wave_fitted_splits(pairs: int, max_pages: int, splits: int, *, sm_count: int | None,
-                       min_pages_per_split: int = MIN_PAGES_PER_SPLIT) -> int:
-    """``splits`` (from :func:`split_count`), or the nearest split count whose programs leave no thin
-    last wave: where ``pairs * splits`` programs pass a whole number of waves (:func:`programs_per_wave`)
-    by less than :data:`TAIL_MIN_FILL` of a wave, the few programs
-    of that last wave run alone at the end of the call, each as long as any other. Among the split
-    counts from ``ceil(splits / 2)`` to ``2 * splits`` (at least ``min_pages_per_split`` pages each)
-    this takes the one of least cost, ``pages per split x max(0, TAIL_MIN_FILL - fill of the last
-    wave)``, the nearest to ``splits`` among equals. Unknown ``sm_count`` (no GPU, emulation):
-    ``splits``.
+                       min_pages_per_split: int = MIN_PAGES_PER_SPLIT,
+                       resident: int = PERSISTENT_BLOCKS_PER_SM) -> int:
+    """``splits`` (from :func:`split_count`), or the split count whose programs take the least time
+    where ``pairs * splits`` programs pass one wave (:func:`programs_per_wave`, ``resident`` programs an
+    SM). The programs run in rounds of a wave, each round as long as a program (pages per split), and a
+    round that only part of the SMs' slots take lasts as long as a full one (one program alone reads
+    at a fraction of the bandwidth a full SM draws): the time is ``rounds x pages per split``. Among
+    the split counts from ``ceil(splits / 2)`` to ``2 * splits`` (at least ``min_pages_per_split``
+    pages each) this takes the one of least ``ceil(pairs * count / wave) * ceil(max_pages / count)``,
+    the nearest to ``splits`` among equals, then the fewer, where that is at least :data:`WAVE_MIN_GAIN`
+    less than ``splits``' own. A plan within one wave stays (its programs all start at once), and so
+    does every plan where ``sm_count`` is unknown (no GPU, emulation).
+
+    Measured (H100, ``bench/RESULTS.md``, call 80, ms queued): one NVFP4 stream (12 programs an SM) at
+    B8 Hq32 Hkv8 T32K with 32 splits (2048 programs: 1.3 waves of 1584) 0.142, with 24 (1536: one wave)
+    0.119; INT4 (8 an SM) at B8 Hq16 Hkv16 T16K with 12 splits (1536: 1.5 waves of 1056) 0.130, with 16
+    (two waves) 0.111 and 8 (one) 0.115.
 
     Args:
       pairs: (sequence, KV head, block of query rows) triples the grid covers.
       max_pages: pages a sequence can hold (the block table's width).
       splits: the split count to start from.
       sm_count: the GPU's streaming multiprocessors, or None.
+      resident: the kernel's programs an SM (:func:`resident_programs`).
 
     Returns:
-      int >= 1. Examples on an H200 (132 SMs, waves of 1056): 304 pairs (19 sequences x 16 KV heads) at
-      520 pages, 7 splits (2128 programs: two waves and 16 programs) -> 6 (1824); 64 pairs at 512 pages,
-      32 splits (2048) stay.
+      int >= 1. Examples at 132 SMs: 304 pairs (19 sequences x 16 KV heads) at 520 pages and 8 an SM,
+      7 splits (2128 programs, three rounds of 75 pages) -> 10 (3040: three rounds of 52); 64 pairs at 512
+      pages, 12 an SM: 32 splits (two rounds of 16 pages) -> 24 (one round of 22); at 8 an SM 32 stay
+      (two rounds of 16, as 16 splits' one round of 32).
 
     Raises:
-      ValueError: ``pairs``, ``max_pages``, ``splits`` or ``min_pages_per_split`` below 1.
+      ValueError: ``pairs``, ``max_pages``, ``splits``, ``min_pages_per_split`` or ``resident`` below 1.
     """
-    if pairs < 1 or max_pages < 1 or splits < 1 or min_pages_per_split < 1:
+    if pairs < 1 or max_pages < 1 or splits < 1 or min_pages_per_split < 1 or resident < 1:
         raise ValueError(f"wave_fitted_splits needs positive sizes, got pairs={pairs}, max_pages={max_pages}, "
-                         f"splits={splits}, min_pages_per_split={min_pages_per_split}")
-    if sm_count is None or sm_count < 1:
+                         f"splits={splits}, min_pages_per_split={min_pages_per_split}, resident={resident}")
+    wave = programs_per_wave(sm_count, resident) if sm_count is not None and sm_count > 0 else 0
+    if not wave or pairs * splits <= wave:
         return splits
-    wave = programs_per_wave(sm_count)
     most = max(1, -(-max_pages // min_pages_per_split))
 
     def cost(count):
-        programs = pairs * count
-        fill = (programs % wave) / wave
-        tail = 0.0 if programs <= wave or fill == 0 else max(0.0, TAIL_MIN_FILL - fill)
-        return -(-max_pages // count) * tail
+        return -(-pairs * count // wave) * -(-max_pages // count)
 
     candidates = range(max(1, -(-splits // 2)), min(2 * splits, most) + 1)
-    return min(candidates, key=lambda count: (cost(count), abs(count - splits), count), default=splits)
+    best = min(candidates, key=lambda count: (cost(count), abs(count - splits), count), default=splits)
+    return best if cost(best) <= (1 - WAVE_MIN_GAIN) * cost(splits) else splits
 
 
 def preferred_target_programs(*, format: str, streams: int = 1) -> int:
