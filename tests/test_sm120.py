@@ -211,6 +211,13 @@ def test_resident_programs():
     assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, stages=3) == 8
     assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, overlap=True) == 8
     assert gluon_launch.resident_programs(format="int4_rotated", head_dim=128) == 8
+    # 12 only where the SM's shared memory holds 12 blocks: 128-token pages (36.9 KB a block) hold 6 on an
+    # sm_90, an sm_120's 100 KB holds 5 of 18.4 KB: the plans count 8 there, as before
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, page_size=32) == 12
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, page_size=128) == 8
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, capability=120) == 8
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, capability=90) == 12
+    assert gluon_launch.resident_programs(format="int4", head_dim=64, page_size=128) == 12
 
 
 def test_wave_fitted_splits_keeps_whole_pages_per_split():

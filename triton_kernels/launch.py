@@ -40,6 +40,7 @@ PERSISTENT_BLOCKS_PER_SM = 8  # INT4, one stream, head_dim 128: 204-226 register
 PERSISTENT_MIN_WAVES = 2  # persistent programs by default where the items fill at least this many waves
 PERSISTENT_MIN_FILL = 0.95  # ... and share out evenly over programs that fill this much of a wave
 RESIDENT_PROGRAMS = {("nvfp4", 128): 12, ("int4", 64): 12}  # one dense stream, two stages (resident_programs)
+BLOCK_RESERVED_SHARED_BYTES = 1024  # shared memory the driver keeps a block (and an SM beyond a block's maximum)
 WAVE_MIN_GAIN = 0.05  # a split plan moves to fit the waves for at least this share less time (wave_fitted_splits)
 
 
@@ -137,18 +138,30 @@ def split_count(pairs: int, max_pages: int, *, target_programs: int = TARGET_PRO
 
 def resident_programs(*, format: str = "int4", head_dim: int = 128, streams: int = 1,
                       sparse_rows: tuple[int, ...] = (), stages: int | None = PREFERRED_STAGES,
-                      overlap: bool = False) -> int:
+                      overlap: bool = False, page_size: int = 64, value_group: int = 64,
+                      capability: int | None = None) -> int:
     """One-warp page-kernel programs an SM holds at once (its registers and shared memory): the
     :data:`RESIDENT_PROGRAMS` entry of ``(format, head_dim)`` for one dense stream in the plain loop of
-    :data:`PREFERRED_STAGES` stages, else :data:`PERSISTENT_BLOCKS_PER_SM`.
+    :data:`PREFERRED_STAGES` stages where the SM's shared memory holds that many of its blocks
+    (:func:`pipelined_shared_bytes` of ``page_size`` and ``value_group``, the 1 KB the driver reserves
+    a block, on ``sm_<capability>``; None: sm_90), else :data:`PERSISTENT_BLOCKS_PER_SM` (the plans'
+    count before the entries were measured).
 
     Measured (ncu, H100, ``bench/KERNEL_NOTES.md``): one NVFP4 stream at head_dim 128 takes 166 registers
-    and 18.4 KB of shared memory, 12 programs an SM; INT4's (224 registers, more shared memory) 8. INT4
-    at head_dim 64: 154 registers and 9.2 KB (ptxas, sm_90a, GQA group 3), 12.
+    and 18.4 KB of shared memory with 64-token pages, 12 programs an SM; INT4's (224 registers, more shared
+    memory) 8. INT4 at head_dim 64: 154 registers, 12 by registers (ncu, call 81). 128-token pages
+    (36.9 KB a block) or an sm_120's 100 KB an SM hold fewer: 8 is returned there.
+
+    Returns:
+      int >= 1.
     """
-    if streams == 1 and not sparse_rows and stages == PREFERRED_STAGES and not overlap:
-        return RESIDENT_PROGRAMS.get((format, head_dim), PERSISTENT_BLOCKS_PER_SM)
-    return PERSISTENT_BLOCKS_PER_SM
+    measured = RESIDENT_PROGRAMS.get((format, head_dim))
+    if measured is None or streams != 1 or sparse_rows or stages != PREFERRED_STAGES or overlap:
+        return PERSISTENT_BLOCKS_PER_SM
+    block = pipelined_shared_bytes(stages=stages, head_dim=head_dim, page_size=page_size, format=format,
+                                   value_group=value_group) + BLOCK_RESERVED_SHARED_BYTES
+    per_sm = launch.shared_memory_per_block(capability or 90) + BLOCK_RESERVED_SHARED_BYTES
+    return measured if per_sm // block >= measured else PERSISTENT_BLOCKS_PER_SM
 
 
 def programs_per_wave(sm_count: int, resident: int = PERSISTENT_BLOCKS_PER_SM) -> int:
