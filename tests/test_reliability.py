@@ -281,6 +281,9 @@ BAD_INPUTS = [
      ValueError, "KernelConfig.target_programs must be >= 1, got 0"),
     ("launch.wave_fitted_splits: no splits", lambda: gluon_launch.wave_fitted_splits(304, 520, 0, sm_count=132),
      ValueError, "wave_fitted_splits needs positive sizes, got pairs=304, max_pages=520, splits=0"),
+    ("launch.resident_programs: pages of no tokens", lambda: gluon_launch.resident_programs(page_size=0),
+     ValueError, "resident_programs needs positive sizes, got head_dim=128, streams=1, stages=2, page_size=0, "
+                 "value_group=64"),
     ("decode_attention.preferred_merge: no partials", lambda: gluon_decode.preferred_merge(0, in_kernel=True),
      ValueError, "preferred_merge needs positive sizes, got slots=0, row_blocks=1"),
     ("compile_check.loop_instructions: PTX text instead of a cubin",

@@ -137,7 +137,7 @@ def split_count(pairs: int, max_pages: int, *, target_programs: int = TARGET_PRO
 
 
 def resident_programs(*, format: str = "int4", head_dim: int = 128, streams: int = 1,
-                      sparse_rows: tuple[int, ...] = (), stages: int | None = PREFERRED_STAGES,
+                      sparse_rows: tuple[int, ...] = (), stages: int = PREFERRED_STAGES,
                       overlap: bool = False, page_size: int = 64, value_group: int = 64,
                       capability: int | None = None) -> int:
     """One-warp page-kernel programs an SM holds at once (its registers and shared memory): the
@@ -154,7 +154,13 @@ def resident_programs(*, format: str = "int4", head_dim: int = 128, streams: int
 
     Returns:
       int >= 1.
+
+    Raises:
+      ValueError: ``head_dim``, ``streams``, ``stages``, ``page_size`` or ``value_group`` below 1.
     """
+    if min(head_dim, streams, stages, page_size, value_group) < 1:
+        raise ValueError(f"resident_programs needs positive sizes, got head_dim={head_dim}, streams={streams}, "
+                         f"stages={stages}, page_size={page_size}, value_group={value_group}")
     measured = RESIDENT_PROGRAMS.get((format, head_dim))
     if measured is None or streams != 1 or sparse_rows or stages != PREFERRED_STAGES or overlap:
         return PERSISTENT_BLOCKS_PER_SM
