@@ -196,7 +196,7 @@ def test_wave_fitted_splits_counts_the_rounds(pairs, max_pages, splits, resident
         return -(-pairs * count // wave) * -(-max_pages // count)
 
     assert fitted == splits or time(fitted) <= (1 - gluon_launch.WAVE_MIN_GAIN) * time(splits)
-    for count in range(max(1, -(-splits // 2)), min(2 * splits, -(-max_pages // 8)) + 1):
+    for count in range(max(1, -(-splits // 2)), min(2 * splits, -(-max_pages // gluon_launch.MIN_PAGES_PER_SPLIT)) + 1):
         assert fitted == splits or time(fitted) <= time(count)  # none of the candidates is faster
     assert gluon_launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=None, resident=resident) == splits
 
