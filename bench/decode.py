@@ -61,14 +61,15 @@ def stand_in_predictions(layers: int, loops: int, kv_heads: int, head_dim: int):
 
 
 def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_dim=HEAD_DIM, direct_loop=False,
-                row_format=None, row_counts=None, predicted=False):
+                row_format=None, row_counts=None, predicted=False, page_size=64):
     """``value_format``: "int4" (FlashLoop policy), "nvfp4" or "int4_rotated" (every stream, the sparse
     rows too); ``direct_loop``: loop 2 stored on its own (``CacheConfig.flashloop(direct_loop=True)``);
     ``row_format`` ("int4" or "int2", affine, grouped like the dense values) and ``row_counts`` (rows of
     loops 3 and 4 per page): the sparse loops' rows instead of the policy's; ``predicted``: loops 3 and 4
     predicted from the loop before with no rows (``CacheConfig.predicted_loops``, :func:`stand_in_predictions`;
-    INT4 only)."""
-    page_size = 64
+    INT4 only); ``page_size``: tokens a page (a sequence holds ``tokens // page_size`` pages)."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
     pages = tokens // page_size
     if predicted and loops > 2:
         return CacheConfig.predicted_loops(

@@ -294,6 +294,7 @@ def main() -> int:
                         help="loop 2 stored on its own, not as a residual (CacheConfig.flashloop(direct_loop=True)); "
                              "loop 1 reads the base stream either way")
     parser.add_argument("--loops", type=int, default=1, help="loop of the FlashLoop chain to read (1-4)")
+    parser.add_argument("--page-size", type=int, default=64, help="tokens a page of the cache (16-128)")
     parser.add_argument("--predicted", action="store_true",
                         help="loops 3-4 predicted from the loop before with no rows (CacheConfig.predicted_loops: "
                              "loop 2 direct; stand-in maps); the public call only (it moves the query and windows)")
@@ -330,7 +331,8 @@ def main() -> int:
     if args.profile:
         name, sequences, q_heads, kv_heads, tokens, head_dim = SHAPES[args.shape]
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
-                                   direct_loop=args.direct_loop, predicted=args.predicted, **row_options)
+                                   direct_loop=args.direct_loop, predicted=args.predicted, page_size=args.page_size,
+                                   **row_options)
         cache = bench.random_cache(config, tokens, 0)
         queries = jax.random.normal(jax.random.key(7), (sequences, q_heads, head_dim), jnp.bfloat16)
         if args.whole:  # every kernel of one whole call each, between cudaProfilerStart/Stop
@@ -394,7 +396,8 @@ def main() -> int:
               flush=True)
         loop = args.loops - 1
         config = bench.make_config(sequences, kv_heads, tokens, args.loops, args.value_format, head_dim=head_dim,
-                                   direct_loop=args.direct_loop, predicted=args.predicted, **row_options)
+                                   direct_loop=args.direct_loop, predicted=args.predicted, page_size=args.page_size,
+                                   **row_options)
         bytes_read = bench.kernel_bytes(config, tokens, loop)
         caches = [bench.random_cache(config, tokens, i, shared=args.shared)
                   for i in range(bench.copies_for(bytes_read))]
