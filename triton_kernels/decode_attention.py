@@ -450,15 +450,13 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
     max_pages = block_tables.shape[1]
     dense = sum(not loop.sparse for loop in loops)  # the chain's dense streams, then its sparse ones
     sparse_rows = tuple(loops[i].keys.rows for i in range(dense, len(loops)))
+    fitted = splits is None and target_programs is None  # the library's own plan, fitted to the kernel's waves below
+    pairs = sequences * kv_heads * row_blocks
     if splits is None:
-        fitted = target_programs is None  # the library's own plan, fitted to the kernel's waves below
         if target_programs is None:
             target_programs = launch.preferred_target_programs(format=loops[0].keys.format, streams=len(loops))
-        pairs = sequences * kv_heads * row_blocks
         splits = launch.split_count(pairs, max_pages, target_programs=target_programs,
                                     min_pages_per_split=min_pages_per_split)
-    else:
-        fitted = False
     query = None
     if not pipelined or not (fused_windows and not pages_only):  # the simple kernels and the window partials
         query = queries.astype(jnp.float32) * (scale * LOG2_E)
@@ -479,8 +477,8 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                    and launch.preferred_overlap(format=loops[0].keys.format, head_dim=head_dim,
                                                 page_size=page_size, streams=streams_read,
                                                 sparse_rows=sparse_rows))
+    capability = None if emulate else pallas_launch.local_capability()
     if stages is None:
-        capability = None if emulate else pallas_launch.local_capability()
         stages = launch.preferred_stages(streams=streams_read, sparse_rows=sparse_rows, overlap=overlap) \
             if capability is None else launch.pipelined_stages(
                 capability=capability, head_dim=head_dim, page_size=page_size, format=loops[0].keys.format,
@@ -493,7 +491,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
         resident = launch.resident_programs(
             format=loops[0].keys.format, head_dim=head_dim, streams=streams_read, sparse_rows=sparse_rows,
             stages=stages, overlap=overlap, page_size=page_size, value_group=loops[0].values.group_size,
-            capability=None if sm_count is None else pallas_launch.local_capability()) \
+            capability=capability) \
             if pipelined else launch.PERSISTENT_BLOCKS_PER_SM
         splits = launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=sm_count,
                                            min_pages_per_split=min_pages_per_split, resident=resident)
