@@ -145,10 +145,11 @@ def formulation(name, loop=0, pages_only=False):
 
 
 def use_rotation(kind):
-    """Route the fused call's query, window and output rotations (``jflashloop.ops._decode_attention``)
-    through ``kind``: ``matrix`` (the library's: one float32 product with the rotation matrix, precision
-    HIGHEST), ``butterfly`` (the codecs' exact butterflies) or ``reduce`` (the product as a broadcast
-    multiply and a sum)."""
+    """Route the fused call's query and output rotations (``jflashloop.ops._decode_attention``; its four
+    windows are rotated together in one product of their own, ``_moved_windows``) through ``kind``:
+    ``matrix`` (the library's: one float32 product with the rotation matrix, precision HIGHEST),
+    ``butterfly`` (the codecs' exact butterflies) or ``reduce`` (the product as a broadcast multiply and
+    a sum)."""
     from jflashloop.codecs import _rotated
     from jflashloop.ops import _decode_attention
 
@@ -315,7 +316,7 @@ def main() -> int:
                              "launch), its ratio to cuDNN's and the largest kernel's time as columns, each "
                              "kernel's time under the row")
     parser.add_argument("--rotation", default="matrix", choices=("matrix", "butterfly", "reduce"),
-                        help="how int4_rotated's query, windows and output are rotated around the kernel "
+                        help="how int4_rotated's query and output are rotated around the kernel "
                              "(use_rotation)")
     args = parser.parse_args()
     args.direct_loop = args.direct_loop and args.loops > 1  # loop 1 reads the base stream either way

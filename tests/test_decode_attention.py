@@ -346,3 +346,37 @@ def test_float32_windows_reach_the_gluon_kernel_as_its_loads_round_them():
     assert_bits_equal(out["ring_keys"], want, "float16 windows")
     assert out["sink_keys"] is None and out["sink_values"] is bf16
     assert np.asarray(out["ring_keys"])[0, 0, 0, 3, 0] == np.float16(1.0)  # the tie goes to the even neighbour
+
+
+@pytest.mark.parametrize("window_dtype, rotated, head_dim", [("bfloat16", "both", 128), ("float32", "both", 64),
+                                                             ("bfloat16", "keys", 64), ("float32", "values", 128)])
+def test_rotated_windows_in_one_product_match_float64(rng, window_dtype, rotated, head_dim):
+    """int4_rotated streams read this loop's four windows rotated into their basis by one product
+    (``rotated_inputs``; the unrotated kind by the identity): each window within 2e-6 of its float64 rotation
+    (bfloat16 windows against the matrix split in two bfloat16 halves, which at head_dim 128 both count; float32
+    at full precision), the other
+    loops' windows not passed, the query rotated only with rotated keys."""
+    from jflashloop.codecs import rotation_matrix
+    from jflashloop.ops._decode_attention import kernel_inputs, kernel_plan, rotated_inputs
+
+    plain = jflashloop.CodecSpec("int4", "token", 64)
+    keys = jflashloop.int4_rotated(head_dim, 5) if rotated in ("both", "keys") else plain
+    values = jflashloop.int4_rotated(head_dim, 6) if rotated in ("both", "values") else plain
+    config = dataclasses.replace(_single_loop_config(keys, values, head_dim=head_dim), window_dtype=window_dtype)
+    cache, _ = build(rng, config, prompt_lengths=[70, 23, 64], steps=2)
+    inputs = kernel_inputs(cache, 0, 1, True)
+    plan = kernel_plan(config.layer(0), 1)
+    queries = jnp.asarray(rng.standard_normal((3, 8, head_dim)), jnp.float32)
+    rotated_queries, windows, window_loop, value_seed = rotated_inputs(queries, cache, 1, inputs, plan)
+    assert window_loop == 0 and value_seed == plan.value_seed
+    for name, seed in (("sink_keys", plan.key_seed), ("ring_keys", plan.key_seed), ("sink_values", plan.value_seed),
+                       ("ring_values", plan.value_seed)):
+        source = np.asarray(inputs[name][1:2].astype(jnp.float32), np.float64)
+        matrix = np.eye(head_dim) if seed is None else rotation_matrix(seed, head_dim).astype(np.float64)
+        want = source @ matrix
+        assert windows[name].dtype == jnp.float32 and windows[name].shape == want.shape, name
+        error = np.max(np.abs(np.asarray(windows[name], np.float64) - want)) / np.max(np.abs(want))
+        assert error < 2e-6, (name, error)
+    want_queries = (np.asarray(queries, np.float64) @ rotation_matrix(plan.key_seed, head_dim).astype(np.float64)
+                    if plan.key_seed is not None else np.asarray(queries))
+    np.testing.assert_allclose(np.asarray(rotated_queries, np.float64), want_queries, rtol=0, atol=2e-5)

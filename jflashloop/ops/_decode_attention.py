@@ -23,8 +23,9 @@ The kernels read the cache's arrays in place (:func:`kernel_inputs`) and
 its static stream formats (:func:`loop_formats`, the one conversion from
 :class:`~jflashloop.CodecSpec` to the kernels' descriptors); with rotated
 streams the queries and windows are rotated outside the kernel and the
-output rotated back (:func:`rotated_inputs`, :func:`unrotated_output`), each
-by one float32 product (:func:`jflashloop.codecs.rotate_by_product`); a loop predicted from the loop before
+output rotated back (:func:`rotated_inputs`, :func:`unrotated_output`): the
+query and the output by one float32 product each
+(:func:`jflashloop.codecs.rotate_by_product`), the four windows by one product together; a loop predicted from the loop before
 with no rows is read through that loop's streams with the query, windows and output mapped the same way
 (:func:`predicted_source`, :func:`predicted_inputs`, :func:`predicted_output`).
 """
@@ -48,7 +49,7 @@ from ..cache._inspect import reconstruct, sequence_regions
 from ..cache._layout import PagedKVCache, PagedStream
 from ..cache._prediction import LoopPrediction
 from ..cache._regions import regions, stored_pages, visible_tokens
-from ..codecs import CodecSpec, rotate_by_product
+from ..codecs import CodecSpec, rotate_by_product, rotation_matrix
 from . import _dispatch
 
 FUSED_FORMATS = pallas_decode.FUSED_FORMATS
@@ -303,22 +304,22 @@ def rotated_inputs(queries, cache: PagedKVCache, loop: int, inputs: dict, plan: 
     """Queries and windows in the streams' basis for a fused kernel.
 
     Returns ``(queries, windows, window_loop, value_seed)``: with rotated key
-    streams the queries are rotated (``q . k = (Rq) . (Rk)``) and so are this
-    loop's windows (then passed alone, ``window_loop`` 0); ``value_seed`` is
+    streams the queries are rotated (``q . k = (Rq) . (Rk)``, one float32
+    product, :func:`jflashloop.codecs.rotate_by_product`); with rotated key
+    or value streams this loop's four windows are rotated in one product
+    (:func:`_moved_windows`; the unrotated kind by the identity) and passed
+    alone (float32 ``[1, S, H, T, D]``, ``window_loop`` 0); ``value_seed`` is
     what :func:`unrotated_output` needs. ``plan`` defaults to :func:`kernel_plan`.
     """
     plan = kernel_plan(cache.config.layer(inputs["layer"]), loop) if plan is None else plan
     key_seed, value_seed = plan.key_seed, plan.value_seed
     windows = {name: inputs[name] for name in ("sink_keys", "sink_values", "ring_keys", "ring_values")}
     window_loop = inputs["window_loop"]
-    if key_seed is not None or value_seed is not None:  # rotate this loop's windows into the streams' basis
-        window_loop = 0
-        for name, seed in (("sink_keys", key_seed), ("ring_keys", key_seed),
-                           ("sink_values", value_seed), ("ring_values", value_seed)):
-            array = windows[name]
-            if array is not None:
-                array = array[loop:loop + 1]
-                windows[name] = rotate_by_product(array.astype(jnp.float32), seed) if seed is not None else array
+    if key_seed is not None or value_seed is not None:  # this loop's windows into the streams' basis
+        head_dim = queries.shape[-1]
+        matrices = np.stack([np.eye(head_dim) if seed is None else rotation_matrix(seed, head_dim)
+                             for seed in (key_seed, value_seed)])[:, None]  # [2, 1, D, D]: one for every head
+        windows, window_loop = _moved_windows(windows, window_loop, matrices), 0
     if key_seed is not None:
         queries = rotate_by_product(queries.astype(jnp.float32), key_seed)
     return queries, windows, window_loop, value_seed
@@ -356,10 +357,13 @@ def predicted_inputs(queries, windows: dict, window_loop: int, plan: KernelPlan)
 WINDOW_PARTS = ("sink", "ring")
 
 
-def _moved_windows(windows: dict, window_loop: int, inverses: np.ndarray, shifts: np.ndarray) -> dict:
-    """Window ``window_loop`` of the sink and ring keys and values (each ``[loops, S, H, T, D]``, or None) in the
-    source's basis, all in one product: ``x M^-1 - b M^-1`` (``inverses`` float64 ``[2, H, D, D]`` and ``shifts``
-    ``[2, H, D]``, keys' then values'). Returns float32 ``[1, S, H, T, D]`` per window (None where absent)."""
+def _moved_windows(windows: dict, window_loop: int, matrices: np.ndarray, shifts: np.ndarray | None = None) -> dict:
+    """Window ``window_loop`` of the sink and ring keys and values (each ``[loops, S, H, T, D]``, or None) mapped,
+    all four in one product: ``x M - b`` (``matrices`` ``[2, H, D, D]``, keys' then values', or ``[2, 1, D, D]``,
+    one for every head; ``shifts`` ``[2, H, D]`` or None, no shift). bfloat16 windows go in one product of
+    bfloat16 values against the matrices split in two bfloat16 halves (:func:`_split_bfloat16`: exact products,
+    float32 sums, so the GPUs' TF32 matrix units lose nothing), other dtypes at full float32 precision.
+    Returns float32 ``[1, S, H, T, D]`` per window (None where absent)."""
     parts = [part for part in WINDOW_PARTS if windows[f"{part}_keys"] is not None]
     moved = {f"{part}_{kind}": None for part in WINDOW_PARTS for kind in ("keys", "values")}
     if not parts:
@@ -367,14 +371,18 @@ def _moved_windows(windows: dict, window_loop: int, inverses: np.ndarray, shifts
     joined = jnp.stack([jnp.concatenate([windows[f"{part}_{kind}"][window_loop] for part in parts], axis=2)
                         for kind in ("keys", "values")])  # [2, S, H, T, D]: the parts joined along the tokens
     head_dim = joined.shape[-1]
+    per_head = matrices.shape[1] != 1
+    subscripts = "kshtd,khde->kshte" if per_head else "kshtd,kde->kshte"
+    matrices = matrices if per_head else matrices[:, 0]
     if joined.dtype == jnp.bfloat16:  # one product of bfloat16 values (exact at any float32 precision)
-        both = jnp.einsum("kshtd,khde->kshte", joined.astype(jnp.float32),
-                          _split_bfloat16(inverses).astype(jnp.float32), precision=jax.lax.Precision.DEFAULT)
+        both = jnp.einsum(subscripts, joined.astype(jnp.float32), _split_bfloat16(matrices).astype(jnp.float32),
+                          precision=jax.lax.Precision.DEFAULT)
         product = both[..., :head_dim] + both[..., head_dim:]
     else:
-        product = jnp.einsum("kshtd,khde->kshte", joined.astype(jnp.float32), jnp.asarray(inverses, jnp.float32),
+        product = jnp.einsum(subscripts, joined.astype(jnp.float32), jnp.asarray(matrices, jnp.float32),
                              precision=jax.lax.Precision.HIGHEST)
-    product = product - jnp.asarray(shifts, jnp.float32)[:, None, :, None]
+    if shifts is not None:
+        product = product - jnp.asarray(shifts, jnp.float32)[:, None, :, None]
     start = 0
     for part in parts:
         tokens = windows[f"{part}_keys"].shape[3]
