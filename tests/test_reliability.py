@@ -284,6 +284,8 @@ BAD_INPUTS = [
     ("launch.resident_programs: pages of no tokens", lambda: gluon_launch.resident_programs(page_size=0),
      ValueError, "resident_programs needs positive sizes, got head_dim=128, streams=1, stages=2, page_size=0, "
                  "value_group=64"),
+    ("launch.register_resident_programs: no registers", lambda: gluon_launch.register_resident_programs(0),
+     ValueError, "register_resident_programs needs positive sizes, got registers=0, warps=1"),
     ("decode_attention.preferred_merge: no partials", lambda: gluon_decode.preferred_merge(0, in_kernel=True),
      ValueError, "preferred_merge needs positive sizes, got slots=0, row_blocks=1"),
     ("compile_check.loop_instructions: PTX text instead of a cubin",

@@ -220,6 +220,16 @@ def test_resident_programs():
     assert gluon_launch.resident_programs(format="int4", head_dim=64, page_size=128) == 12
 
 
+def test_register_resident_programs_counts_partitions():
+    """Warps take registers from one of an SM's four partitions of 16K in units of 256: ncu's residencies
+    (INT4 at head_dim 128, 224 registers: 8; one NVFP4 stream, 166: 12; INT4 at head_dim 64, 154: 12). 224
+    registers would fit 9 warps in the whole file (65536 / 7168), but only 2 in a partition."""
+    count = gluon_launch.register_resident_programs
+    assert (count(224), count(166), count(154)) == (8, 12, 12)
+    assert (count(168), count(169), count(128), count(129), count(255), count(256)) == (12, 8, 16, 12, 8, 0)
+    assert count(64) == 32 and count(168, warps=4) == 3 and count(224, warps=2) == 4
+
+
 def test_wave_fitted_splits_keeps_whole_pages_per_split():
     # 2 pages a sequence, at least 8 pages a split: one split whatever the waves say
     assert gluon_launch.wave_fitted_splits(1060, 2, 1, sm_count=132) == 1

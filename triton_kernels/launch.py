@@ -42,6 +42,9 @@ PERSISTENT_MIN_FILL = 0.95  # ... and share out evenly over programs that fill t
 RESIDENT_PROGRAMS = {("nvfp4", 128): 12, ("int4", 64): 12}  # one dense stream, two stages (resident_programs)
 BLOCK_RESERVED_SHARED_BYTES = 1024  # shared memory the driver keeps a block (and an SM beyond a block's maximum)
 WAVE_MIN_GAIN = 0.05  # a split plan moves to fit the waves for at least this share less time (wave_fitted_splits)
+REGISTER_PARTITIONS = 4  # an SM's register file is allocated in four partitions, one per warp scheduler (sm_80-sm_120)
+PARTITION_REGISTERS = 16384  # 32-bit registers a partition holds (64K an SM)
+WARP_REGISTER_UNIT = 256  # a warp's registers are allocated in units of this many
 
 
 SCALED_ROTATED = False  # int4_rotated values on the probabilities by default (gluon_decode; no faster on the H200)
@@ -150,7 +153,9 @@ def resident_programs(*, format: str = "int4", head_dim: int = 128, streams: int
     Measured (ncu, H100, ``bench/KERNEL_NOTES.md``): one NVFP4 stream at head_dim 128 takes 166 registers
     and 18.4 KB of shared memory with 64-token pages, 12 programs an SM; INT4's (224 registers, more shared
     memory) 8. INT4 at head_dim 64: 154 registers, 12 by registers (ncu, call 81). 128-token pages
-    (36.9 KB a block) or an sm_120's 100 KB an SM hold fewer: 8 is returned there.
+    (36.9 KB a block) or an sm_120's 100 KB an SM hold fewer: 8 is returned there. The compile tests
+    check every entry against the compiled kernel's registers (:func:`register_resident_programs`) and
+    shared memory.
 
     Returns:
       int >= 1.
@@ -168,6 +173,32 @@ def resident_programs(*, format: str = "int4", head_dim: int = 128, streams: int
                                    value_group=value_group) + BLOCK_RESERVED_SHARED_BYTES
     per_sm = launch.shared_memory_per_block(capability or 90) + BLOCK_RESERVED_SHARED_BYTES
     return measured if per_sm // block >= measured else PERSISTENT_BLOCKS_PER_SM
+
+
+def register_resident_programs(registers: int, *, warps: int = 1) -> int:
+    """Blocks of ``warps`` warps an SM holds by their threads' ``registers`` alone (ptxas's count): each
+    warp takes ``registers x 32`` rounded up to :data:`WARP_REGISTER_UNIT`, from one of the
+    :data:`REGISTER_PARTITIONS` partitions of :data:`PARTITION_REGISTERS`, as the CUDA occupancy
+    calculator counts them (sm_80 to sm_120).
+
+    It reproduces every residency ncu measured for the page kernel (``bench/KERNEL_NOTES.md``): INT4 at
+    head_dim 128 (224 registers) 8, one NVFP4 stream (166) 12, INT4 at head_dim 64 (154) 12, int4_rotated
+    at GQA group 4 12 (3 warps a scheduler). The shared memory can hold fewer (:func:`resident_programs`);
+    the compile tests check :data:`RESIDENT_PROGRAMS` against it.
+
+    Returns:
+      int >= 0 (0: ``registers`` above 255 per thread cannot run).
+
+    Raises:
+      ValueError: ``registers`` or ``warps`` below 1.
+    """
+    if registers < 1 or warps < 1:
+        raise ValueError(f"register_resident_programs needs positive sizes, got registers={registers}, "
+                         f"warps={warps}")
+    if registers > 255:
+        return 0
+    per_warp = -(-registers * 32 // WARP_REGISTER_UNIT) * WARP_REGISTER_UNIT
+    return (PARTITION_REGISTERS // per_warp) * REGISTER_PARTITIONS // warps
 
 
 def programs_per_wave(sm_count: int, resident: int = PERSISTENT_BLOCKS_PER_SM) -> int:
