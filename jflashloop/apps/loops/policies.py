@@ -137,6 +137,8 @@ POLICIES: dict[str, tuple[Entry, ...]] = {
     "fitted, predicted, affine int2 rows 8/4": ("fit", "direct fit", "pred int2a 8", "pred int2a 4"),
     "fitted, predicted, affine int2 rows 16/8": ("fit", "direct fit", "pred int2a 16", "pred int2a 8"),
     "predicted loops 3-4": ("int4", "direct int4", "pred", "pred"),
+    "direct affine int2 loop 2, predicted loops 3-4": ("int4", "direct int2a", "pred", "pred"),
+    "direct affine int2 K loop 2, predicted loops 3-4": ("int4", "direct int2a/int4", "pred", "pred"),
     "fitted 3.5, predicted loops 3-4": ("fit3.5", "direct fit3.5", "pred", "pred"),
     "fitted 3.5 base, predicted loops 3-4": ("fit3.5", "direct fit", "pred", "pred"),
     "fitted 3, predicted loops 3-4": ("fit3", "direct fit3", "pred", "pred"),
