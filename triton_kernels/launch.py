@@ -186,6 +186,10 @@ def register_resident_programs(registers: int, *, warps: int = 1) -> int:
     at GQA group 4 12 (3 warps a scheduler). The shared memory can hold fewer (:func:`resident_programs`);
     the compile tests check :data:`RESIDENT_PROGRAMS` against it.
 
+    Args:
+      registers: 32-bit registers a thread takes (ptxas's count).
+      warps: warps a block.
+
     Returns:
       int >= 0 (0: ``registers`` above 255 per thread cannot run).
 
