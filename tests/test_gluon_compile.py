@@ -272,3 +272,19 @@ def test_affine_int2_rows_compile_as_int4_words(head_dim, sparse):
     assert resources["registers"] <= 255 and resources["spill_stores"] == 0, resources
     rows = sum(launch.padded_sparse_rows(r) * head_dim for r in sparse)  # bytes of INT4 rows, keys and values
     assert int4.metadata.shared - int2.metadata.shared == rows // 2
+
+
+def test_kernel_residency_tool_reports_both_bounds():
+    """``tools/kernel_residency.py``'s row for one NVFP4 stream at head_dim 128: 166-167 registers (12 an SM),
+    18 KB of shared memory (12 an SM), 12 resident, 12 counted by the plans; as many cells as the header."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "kernel_residency.py"
+    spec = importlib.util.spec_from_file_location("kernel_residency", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    cells = [cell.strip() for cell in tool.row("nvfp4", 128, 4, 64, 1, (), 2).strip("|").split("|")]
+    assert len(cells) == tool.HEADER.splitlines()[0].count("|") - 1
+    assert cells[:7] == ["nvfp4", "128", "4", "64", "1", "-", "2"]
+    assert 160 < int(cells[7]) <= 168 and cells[8] == "0" and cells[10:] == ["12", "12", "12", "12"], cells
