@@ -67,7 +67,8 @@ def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_di
     ``row_format`` ("int4" or "int2", affine, grouped like the dense values) and ``row_counts`` (rows of
     loops 3 and 4 per page): the sparse loops' rows instead of the policy's; ``predicted``: loops 3 and 4
     predicted from the loop before with no rows (``CacheConfig.predicted_loops``, :func:`stand_in_predictions`;
-    INT4 only); ``page_size``: tokens a page (a sequence holds ``tokens // page_size`` pages)."""
+    INT4 only); ``page_size``: tokens a page (a sequence holds ``tokens // page_size`` pages; channel-axis key
+    groups of a page, as the fused kernels read them)."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     pages = tokens // page_size
@@ -82,6 +83,10 @@ def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_di
         max_sequences=sequences, max_pages_per_sequence=pages, num_loops=loops, page_size=page_size,
         direct_loop=direct_loop,
     )
+    if page_size != 64:  # the fused kernels read one channel-axis key group a page
+        config = dataclasses.replace(config, loops=tuple(
+            dataclasses.replace(loop, key_spec=dataclasses.replace(loop.key_spec, group_size=page_size))
+            if loop.key_spec.axis == "channel" else loop for loop in config.loops))
     codecs = {"nvfp4": (jflashloop.NVFP4, jflashloop.NVFP4),
               "int4_rotated": (jflashloop.int4_rotated(head_dim, 0), jflashloop.int4_rotated(head_dim, 1))}
     if value_format in codecs:  # every stream, sparse rows included; the loops' kinds (direct, sparse) kept
