@@ -246,3 +246,29 @@ def test_bench_plan_runs_only_the_parts_asked_for():
     assert set(kinds("capacity")) == {"capacity"}
     assert kinds("breakdown")[:2] == ["grid", "grid"] and "breakdown" in kinds("breakdown")
     assert "grid" in kinds("grid")
+
+
+@pytest.mark.parametrize("page_size, loops, value_format", [(16, 1, "int4"), (128, 1, "int4"), (128, 4, "int4"),
+                                                            (32, 1, "nvfp4")])
+def test_bench_configurations_are_read_by_the_fused_kernel(page_size, loops, value_format):
+    """``bench/decode.make_config`` (which ``bench/kernel_formulations.py --page-size`` times) gives caches the
+    Gluon kernel reads at every page size: channel-axis key groups span the page (with 64-token groups at
+    128-token pages the public call fell back to the Pallas kernel)."""
+    import importlib.util
+    import sys
+
+    from jflashloop.ops._decode_attention import kernel_plan
+    from jflashloop_triton_kernels import decode_attention as gluon_decode
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_decode", BENCH / "decode.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(BENCH))
+    config = bench.make_config(8, 8, 32768, loops, value_format, page_size=page_size)
+    assert config.page_size == page_size
+    for index in range(loops):
+        plan = kernel_plan(config.layer(0), index)
+        assert gluon_decode.unsupported_reason(plan.loops, config.head_dim, page_size, 4) is None, (page_size, index)
