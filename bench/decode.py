@@ -83,10 +83,10 @@ def make_config(sequences, kv_heads, tokens, loops, value_format="int4", head_di
         max_sequences=sequences, max_pages_per_sequence=pages, num_loops=loops, page_size=page_size,
         direct_loop=direct_loop,
     )
-    if page_size != 64:  # the fused kernels read one channel-axis key group a page
-        config = dataclasses.replace(config, loops=tuple(
-            dataclasses.replace(loop, key_spec=dataclasses.replace(loop.key_spec, group_size=page_size))
-            if loop.key_spec.axis == "channel" else loop for loop in config.loops))
+    # channel-axis key groups of a page, as the fused kernels read them (the policy's 64 at 64-token pages)
+    config = dataclasses.replace(config, loops=tuple(
+        dataclasses.replace(loop, key_spec=dataclasses.replace(loop.key_spec, group_size=page_size))
+        if loop.key_spec.axis == "channel" else loop for loop in config.loops))
     codecs = {"nvfp4": (jflashloop.NVFP4, jflashloop.NVFP4),
               "int4_rotated": (jflashloop.int4_rotated(head_dim, 0), jflashloop.int4_rotated(head_dim, 1))}
     if value_format in codecs:  # every stream, sparse rows included; the loops' kinds (direct, sparse) kept

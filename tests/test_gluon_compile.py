@@ -225,8 +225,7 @@ def test_resident_programs_match_the_compiled_kernels(format, head_dim, group):
         format=format, head_dim=head_dim, group=group, stages=2, value_group=16 if format == "nvfp4" else 64,
         maxnreg=launch.preferred_maxnreg(format))
     registers = compile_check.ptxas_resources(compiled.asm["ptx"], "sm_90a")["registers"]
-    reserved = launch.BLOCK_RESERVED_SHARED_BYTES
-    by_shared = (launch.launch.shared_memory_per_block(90) + reserved) // (compiled.metadata.shared + reserved)
+    by_shared = launch.shared_resident_programs(compiled.metadata.shared, 90)
     resident = launch.resident_programs(format=format, head_dim=head_dim, stages=2,
                                         value_group=16 if format == "nvfp4" else 64)
     assert min(launch.register_resident_programs(registers), by_shared) == resident, (registers, by_shared)

@@ -286,6 +286,8 @@ BAD_INPUTS = [
                  "value_group=64"),
     ("launch.register_resident_programs: no registers", lambda: gluon_launch.register_resident_programs(0),
      ValueError, "register_resident_programs needs positive sizes, got registers=0, warps=1"),
+    ("launch.shared_resident_programs: negative shared memory", lambda: gluon_launch.shared_resident_programs(-1),
+     ValueError, "shared_resident_programs needs block_bytes >= 0, got -1"),
     ("decode_attention.preferred_merge: no partials", lambda: gluon_decode.preferred_merge(0, in_kernel=True),
      ValueError, "preferred_merge needs positive sizes, got slots=0, row_blocks=1"),
     ("compile_check.loop_instructions: PTX text instead of a cubin",

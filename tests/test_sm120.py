@@ -230,6 +230,13 @@ def test_register_resident_programs_counts_partitions():
     assert count(64) == 32 and count(168, warps=4) == 3 and count(224, warps=2) == 4
 
 
+def test_shared_resident_programs_keeps_the_drivers_kilobyte():
+    """Blocks an SM by shared memory, 1 KB the driver keeps each: 18 KB (64-token pages, head_dim 128) 12 on an
+    sm_90's 228 KB and 5 on an sm_120's 100 KB; 36 KB (128-token pages) 6; no shared memory: 228."""
+    count = gluon_launch.shared_resident_programs
+    assert (count(18432), count(18432, 120), count(36864), count(0)) == (12, 5, 6, 228)
+
+
 def test_wave_fitted_splits_keeps_whole_pages_per_split():
     # 2 pages a sequence, at least 8 pages a split: one split whatever the waves say
     assert gluon_launch.wave_fitted_splits(1060, 2, 1, sm_count=132) == 1

@@ -5,7 +5,7 @@
 One Markdown row per kernel variant (format, head_dim, GQA group, page size, dense streams, sparse rows,
 pipeline stages; the public call's query and window dtypes and register cap): ptxas's registers and spill
 stores, the dynamic shared memory a block takes, the one-warp blocks an SM holds by registers
-(``launch.register_resident_programs``) and by shared memory (with the 1 KB the driver keeps a block), the
+(``launch.register_resident_programs``) and by shared memory (``launch.shared_resident_programs``), the
 smaller of the two, and what the split plans count (``launch.resident_programs``). Where the last two differ,
 the plans count rounds of the wrong size (``launch.wave_fitted_splits``) for grids beyond one wave. About a
 second a row on a CPU (triton's own ptxas, ``jflashloop_triton_kernels.compile_check``).
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 
-from jflashloop_pallas_kernels import launch as pallas_launch
 from jflashloop_triton_kernels import compile_check, launch
 
 # (format, head_dim, group, page_size, dense streams, sparse rows, stages)
@@ -41,9 +40,8 @@ def row(format, head_dim, group, page_size, streams, sparse, stages, capability=
     compiled = compile_check.compile_pages_kernel(**options)
     target = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
     resources = compile_check.ptxas_resources(compiled.asm["ptx"], target)
-    reserved = launch.BLOCK_RESERVED_SHARED_BYTES
     by_registers = launch.register_resident_programs(resources["registers"])
-    by_shared = (pallas_launch.shared_memory_per_block(capability) + reserved) // (compiled.metadata.shared + reserved)
+    by_shared = launch.shared_resident_programs(compiled.metadata.shared, capability)
     planned = launch.resident_programs(format=format, head_dim=head_dim, streams=streams, sparse_rows=sparse,
                                        stages=stages, page_size=page_size, value_group=value_group,
                                        capability=capability)

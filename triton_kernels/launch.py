@@ -170,9 +170,19 @@ def resident_programs(*, format: str = "int4", head_dim: int = 128, streams: int
     if measured is None or streams != 1 or sparse_rows or stages != PREFERRED_STAGES or overlap:
         return PERSISTENT_BLOCKS_PER_SM
     block = pipelined_shared_bytes(stages=stages, head_dim=head_dim, page_size=page_size, format=format,
-                                   value_group=value_group) + BLOCK_RESERVED_SHARED_BYTES
+                                   value_group=value_group)
+    return measured if shared_resident_programs(block, capability) >= measured else PERSISTENT_BLOCKS_PER_SM
+
+
+def shared_resident_programs(block_bytes: int, capability: int | None = None) -> int:
+    """Blocks an SM of ``sm_<capability>`` (None: sm_90) holds by their dynamic shared memory alone,
+    ``block_bytes`` each plus the :data:`BLOCK_RESERVED_SHARED_BYTES` the driver keeps a block (an SM holds
+    that much beyond a block's maximum, :func:`jflashloop_pallas_kernels.launch.shared_memory_per_block`).
+    Returns int >= 0; refuses a negative ``block_bytes`` (``ValueError``)."""
+    if block_bytes < 0:
+        raise ValueError(f"shared_resident_programs needs block_bytes >= 0, got {block_bytes}")
     per_sm = launch.shared_memory_per_block(capability or 90) + BLOCK_RESERVED_SHARED_BYTES
-    return measured if per_sm // block >= measured else PERSISTENT_BLOCKS_PER_SM
+    return per_sm // (block_bytes + BLOCK_RESERVED_SHARED_BYTES)
 
 
 def register_resident_programs(registers: int, *, warps: int = 1) -> int:
@@ -183,8 +193,8 @@ def register_resident_programs(registers: int, *, warps: int = 1) -> int:
 
     It reproduces every residency ncu measured for the page kernel (``bench/KERNEL_NOTES.md``): INT4 at
     head_dim 128 (224 registers) 8, one NVFP4 stream (166) 12, INT4 at head_dim 64 (154) 12, int4_rotated
-    at GQA group 4 12 (3 warps a scheduler). The shared memory can hold fewer (:func:`resident_programs`);
-    the compile tests check :data:`RESIDENT_PROGRAMS` against it.
+    at GQA group 4 12 (3 warps a scheduler). The shared memory can hold fewer
+    (:func:`shared_resident_programs`); the compile tests check :data:`RESIDENT_PROGRAMS` against both.
 
     Args:
       registers: 32-bit registers a thread takes (ptxas's count).
