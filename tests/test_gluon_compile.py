@@ -213,20 +213,22 @@ def test_persistent_programs_keep_eight_warps_per_sm():
     assert _count(compiled.asm["ptx"], r"st\.shared") == 0
 
 
-@pytest.mark.parametrize("format, head_dim, group", [("int4", 128, 4), ("int4", 128, 1), ("nvfp4", 128, 4),
-                                                     ("nvfp4", 128, 1), ("int4", 64, 3)])
-def test_resident_programs_match_the_compiled_kernels(format, head_dim, group):
-    """The programs an SM the split plans count (``launch.resident_programs``: the measured table, else 8) are
-    the compiled kernel's (one dense stream, two stages, 64-token pages, the public call's query and windows):
+@pytest.mark.parametrize("format, head_dim, group, page_size", [
+    ("int4", 128, 4, 64), ("int4", 128, 1, 64), ("nvfp4", 128, 4, 64), ("nvfp4", 128, 1, 64), ("int4", 64, 3, 64),
+    ("int4", 128, 4, 128), ("nvfp4", 128, 4, 128)])
+def test_resident_programs_match_the_compiled_kernels(format, head_dim, group, page_size):
+    """The programs an SM the split plans count (``launch.resident_programs``: the measured table or 8, at most
+    what the shared memory holds) are the compiled kernel's (one dense stream, two stages, the public call's
+    query and windows; 128-token pages hold 6 by shared memory):
     its ptxas registers (``launch.register_resident_programs``) and shared memory (with the 1 KB the driver
     keeps a block) both hold that many. A kernel change that moves a kernel across a residency boundary
     fails here, before its plans count rounds of the wrong size on a GPU."""
     compiled = compile_check.compile_pages_kernel(
         format=format, head_dim=head_dim, group=group, stages=2, value_group=16 if format == "nvfp4" else 64,
-        maxnreg=launch.preferred_maxnreg(format))
+        page_size=page_size, maxnreg=launch.preferred_maxnreg(format))
     registers = compile_check.ptxas_resources(compiled.asm["ptx"], "sm_90a")["registers"]
     by_shared = launch.shared_resident_programs(compiled.metadata.shared, 90)
-    resident = launch.resident_programs(format=format, head_dim=head_dim, stages=2,
+    resident = launch.resident_programs(format=format, head_dim=head_dim, stages=2, page_size=page_size,
                                         value_group=16 if format == "nvfp4" else 64)
     assert min(launch.register_resident_programs(registers), by_shared) == resident, (registers, by_shared)
 

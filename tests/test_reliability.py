@@ -288,6 +288,9 @@ BAD_INPUTS = [
      ValueError, "register_resident_programs needs positive sizes, got registers=0, warps=1"),
     ("launch.shared_resident_programs: negative shared memory", lambda: gluon_launch.shared_resident_programs(-1),
      ValueError, "shared_resident_programs needs block_bytes >= 0, got -1"),
+    ("launch.preferred_persistent_programs: no blocks an SM", lambda: gluon_launch.preferred_persistent_programs(
+        format="int4", head_dim=128, streams=1, sparse_rows=(), stages=2, overlap=False, items=2112, sm_count=132,
+        resident=0), ValueError, "preferred_persistent_programs needs resident >= 1, got 0"),
     ("decode_attention.preferred_merge: no partials", lambda: gluon_decode.preferred_merge(0, in_kernel=True),
      ValueError, "preferred_merge needs positive sizes, got slots=0, row_blocks=1"),
     ("compile_check.loop_instructions: PTX text instead of a cubin",

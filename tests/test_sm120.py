@@ -205,19 +205,46 @@ def test_resident_programs():
     assert gluon_launch.resident_programs(format="nvfp4", head_dim=128) == 12
     assert gluon_launch.resident_programs(format="int4", head_dim=128) == gluon_launch.PERSISTENT_BLOCKS_PER_SM == 8
     assert gluon_launch.resident_programs(format="int4", head_dim=64) == 12
-    # chains, sparse loops, other pipeline depths and the overlapped loop: the 8 the plans assumed before
-    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, streams=2) == 8
-    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, sparse_rows=(16,)) == 8
+    # chains (one stage), sparse loops, other pipeline depths and the overlapped loop: 8 by registers
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, streams=2, stages=1) == 8
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, sparse_rows=(16,), stages=1) == 8
     assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, stages=3) == 8
     assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, overlap=True) == 8
     assert gluon_launch.resident_programs(format="int4_rotated", head_dim=128) == 8
-    # 12 only where the SM's shared memory holds 12 blocks: 128-token pages (36.9 KB a block) hold 6 on an
-    # sm_90, an sm_120's 100 KB holds 5 of 18.4 KB: the plans count 8 there, as before
+    # the SM's shared memory holds fewer: 128-token pages (35-37 KB a block) 6 on an sm_90, an sm_120's 100 KB
+    # 5 of 18.4 KB, head_dim 256 6 (two stages) or 4 (the overlapped loop's three), a chain of two stages 6
     assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, page_size=32) == 12
-    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, page_size=128) == 8
-    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, capability=120) == 8
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, page_size=128) == 6
+    assert gluon_launch.resident_programs(format="int4", head_dim=128, page_size=128) == 6
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, capability=120) == 5
+    assert gluon_launch.resident_programs(format="int4", head_dim=128, capability=120) == 5
     assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, capability=90) == 12
     assert gluon_launch.resident_programs(format="int4", head_dim=64, page_size=128) == 12
+    assert gluon_launch.resident_programs(format="int4", head_dim=256) == 6
+    assert gluon_launch.resident_programs(format="int4", head_dim=256, stages=3, overlap=True) == 4
+    assert gluon_launch.resident_programs(format="nvfp4", head_dim=128, streams=2) == 6
+    # int2 sparse rows take half an INT4 row's bytes
+    int2 = gluon_launch.resident_programs(format="int4", head_dim=256, streams=2, stages=1, sparse_rows=(64, 64),
+                                          row_format="int2")
+    int4 = gluon_launch.resident_programs(format="int4", head_dim=256, streams=2, stages=1, sparse_rows=(64, 64))
+    assert (int2, int4) == (4, 3)
+
+
+def test_plans_count_the_blocks_shared_memory_holds():
+    """INT4 at B8 Hq32 Hkv8 T32K with 128-token pages (64 pairs of 256 pages; 6 blocks an SM by shared memory):
+    one round of 12 splits (measured 0.132 ms on an H100 against 0.146 for the 16 splits that counted 8 an SM,
+    and 24 splits' two rounds 0.146); B1 Hq16 Hkv16 T64K 49 splits (one round) where 64 take two."""
+    resident = gluon_launch.resident_programs(format="int4", head_dim=128, page_size=128)
+    assert gluon_launch.wave_fitted_splits(64, 256, gluon_launch.split_count(64, 256), sm_count=132,
+                                           resident=resident) == 12
+    assert gluon_launch.wave_fitted_splits(16, 512, gluon_launch.split_count(16, 512), sm_count=132,
+                                           resident=resident) == 49
+    assert gluon_launch.wave_fitted_splits(64, 256, 16, sm_count=132, resident=8) == 16  # one wave of 8 an SM
+    # persistent programs: no more than a wave of the blocks an SM holds
+    where = dict(format="int4", head_dim=128, streams=1, sparse_rows=(), stages=2, overlap=False, sm_count=132)
+    assert gluon_launch.preferred_persistent_programs(**where, items=2 * 792, resident=6) == 792
+    assert gluon_launch.preferred_persistent_programs(**where, items=2 * 1056, resident=6) == 0  # 2.7 rounds of 792
+    assert gluon_launch.preferred_persistent_programs(**where, items=2 * 1056) == 1056
 
 
 def test_register_resident_programs_counts_partitions():

@@ -486,13 +486,14 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                 overlap=overlap, row_format=loops[dense].keys.format if sparse else "int4")
     if default_overlap and stages < 2:  # too little shared memory for a page in flight
         overlap = False
-    if fitted:  # the waves of the kernel that runs (its programs an SM: launch.resident_programs)
+    # the waves of the kernel that runs: its programs an SM by registers and shared memory
+    resident = launch.resident_programs(
+        format=loops[0].keys.format, head_dim=head_dim, streams=streams_read, sparse_rows=sparse_rows,
+        stages=stages, overlap=overlap, page_size=page_size, value_group=loops[0].values.group_size,
+        row_format=loops[dense].keys.format if sparse else "int4", capability=capability) \
+        if pipelined else launch.PERSISTENT_BLOCKS_PER_SM
+    if fitted:
         sm_count = None if emulate else pallas_launch.local_sm_count()
-        resident = launch.resident_programs(
-            format=loops[0].keys.format, head_dim=head_dim, streams=streams_read, sparse_rows=sparse_rows,
-            stages=stages, overlap=overlap, page_size=page_size, value_group=loops[0].values.group_size,
-            capability=capability) \
-            if pipelined else launch.PERSISTENT_BLOCKS_PER_SM
         splits = launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=sm_count,
                                            min_pages_per_split=min_pages_per_split, resident=resident)
     if merge is None:  # measured: bench/KERNEL_NOTES.md ("Splits, merges and the custom-call target at 48 calls")
@@ -509,7 +510,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
             format=loops[0].keys.format, head_dim=head_dim, streams=streams_read, sparse_rows=sparse_rows,
             stages=stages if pipelined else None, overlap=overlap,
             items=sequences * kv_heads * row_blocks * (splits + 1 if fused_windows else splits),
-            sm_count=None if emulate else pallas_launch.local_sm_count())
+            sm_count=None if emulate else pallas_launch.local_sm_count(), resident=resident)
     if precise is None:
         precise = True
     if lazy is None:

@@ -142,20 +142,27 @@ def split_count(pairs: int, max_pages: int, *, target_programs: int = TARGET_PRO
 def resident_programs(*, format: str = "int4", head_dim: int = 128, streams: int = 1,
                       sparse_rows: tuple[int, ...] = (), stages: int = PREFERRED_STAGES,
                       overlap: bool = False, page_size: int = 64, value_group: int = 64,
-                      capability: int | None = None) -> int:
-    """One-warp page-kernel programs an SM holds at once (its registers and shared memory): the
+                      row_format: str = "int4", capability: int | None = None) -> int:
+    """One-warp page-kernel programs an SM holds at once: the fewer of those its registers hold (the
     :data:`RESIDENT_PROGRAMS` entry of ``(format, head_dim)`` for one dense stream in the plain loop of
-    :data:`PREFERRED_STAGES` stages where the SM's shared memory holds that many of its blocks
-    (:func:`pipelined_shared_bytes` of ``page_size`` and ``value_group``, the 1 KB the driver reserves
-    a block, on ``sm_<capability>``; None: sm_90), else :data:`PERSISTENT_BLOCKS_PER_SM` (the plans'
-    count before the entries were measured).
+    :data:`PREFERRED_STAGES` stages, else :data:`PERSISTENT_BLOCKS_PER_SM`) and those its shared memory
+    holds (:func:`shared_resident_programs` of the kernel's :func:`pipelined_shared_bytes`, with the 1 KB
+    the driver reserves a block, on ``sm_<capability>``; None: sm_90).
 
     Measured (ncu, H100, ``bench/KERNEL_NOTES.md``): one NVFP4 stream at head_dim 128 takes 166 registers
     and 18.4 KB of shared memory with 64-token pages, 12 programs an SM; INT4's (224 registers, more shared
-    memory) 8. INT4 at head_dim 64: 154 registers, 12 by registers (ncu, call 81). 128-token pages
-    (36.9 KB a block) or an sm_120's 100 KB an SM hold fewer: 8 is returned there. The compile tests
-    check every entry against the compiled kernel's registers (:func:`register_resident_programs`) and
-    shared memory.
+    memory) 8. INT4 at head_dim 64: 154 registers, 12 by registers (ncu, call 81). 128-token pages at
+    head_dim 128 (35-37 KB a block) hold 6 an sm_90 SM, head_dim 256 with 64-token pages 6 (two stages) or
+    4 (the overlapped loop's three), an sm_120's 100 KB 5 of 18.4 KB: the plans count that many there
+    (INT4 at B8 Hq32 Hkv8 T32K with 128-token pages, H100: one round of 6 an SM, 12 splits, 0.132 ms
+    against 0.146 for the 16 splits that counted 8). The compile tests check every entry against the
+    compiled kernel's registers (:func:`register_resident_programs`) and shared memory.
+
+    Args:
+      format, head_dim, page_size, value_group, streams, sparse_rows, row_format, stages: the kernel's
+        (:func:`pipelined_shared_bytes`).
+      overlap: the overlapped loop (``gluon_decode``).
+      capability: the GPU's compute capability (None: 90).
 
     Returns:
       int >= 1.
@@ -166,12 +173,12 @@ def resident_programs(*, format: str = "int4", head_dim: int = 128, streams: int
     if min(head_dim, streams, stages, page_size, value_group) < 1:
         raise ValueError(f"resident_programs needs positive sizes, got head_dim={head_dim}, streams={streams}, "
                          f"stages={stages}, page_size={page_size}, value_group={value_group}")
-    measured = RESIDENT_PROGRAMS.get((format, head_dim))
-    if measured is None or streams != 1 or sparse_rows or stages != PREFERRED_STAGES or overlap:
-        return PERSISTENT_BLOCKS_PER_SM
+    plain = streams == 1 and not sparse_rows and stages == PREFERRED_STAGES and not overlap
+    by_registers = (RESIDENT_PROGRAMS.get((format, head_dim)) if plain else None) or PERSISTENT_BLOCKS_PER_SM
     block = pipelined_shared_bytes(stages=stages, head_dim=head_dim, page_size=page_size, format=format,
-                                   value_group=value_group)
-    return measured if shared_resident_programs(block, capability) >= measured else PERSISTENT_BLOCKS_PER_SM
+                                   value_group=value_group, streams=streams, sparse_rows=sparse_rows,
+                                   row_format=row_format)
+    return max(1, min(by_registers, shared_resident_programs(block, capability)))
 
 
 def shared_resident_programs(block_bytes: int, capability: int | None = None) -> int:
@@ -312,11 +319,13 @@ def preferred_overlap(*, format: str, head_dim: int, page_size: int, streams: in
 
 
 def preferred_persistent_programs(*, format: str, head_dim: int, streams: int, sparse_rows: tuple[int, ...],
-                                  stages: int | None, overlap: bool, items: int, sm_count: int | None) -> int:
+                                  stages: int | None, overlap: bool, items: int, sm_count: int | None,
+                                  resident: int = PERSISTENT_BLOCKS_PER_SM) -> int:
     """Persistent programs of the pipelined kernel by default (``persistent_programs``; 0: one program per
     item), for one INT4 stream at head_dim 128 in the plain loop of two stages, where the GPU's SM count is
     known and the ``items`` (sequences x row programs x slots) fill at least :data:`PERSISTENT_MIN_WAVES`
-    waves of ``sm_count * PERSISTENT_BLOCKS_PER_SM`` programs; else 0.
+    waves of ``sm_count * resident`` programs (:func:`resident_programs`: 8 an SM with 64-token pages, 6 with
+    128-token ones on an sm_90); else 0.
 
     Program ``p`` takes items ``p, p + P, p + 2P, ...``, so the programs are as many as share the items
     out evenly over the same number of rounds (``ceil(items / rounds)``), and persistence is used only
@@ -329,11 +338,16 @@ def preferred_persistent_programs(*, format: str, head_dim: int, streams: int, s
     0.092-0.094 ms queued); at T128K 308.4 against 315.4 us; at B1 Hq16 Hkv16 T64K (1040 items, one
     a program) 42.3-42.4 against 41.7 us; at B16 Hq16 Hkv16 T8K (2304 items: 1056 programs left 192 of
     them a third item) 114.1 against 89.9 us, which this rule leaves out.
+
+    Raises:
+      ValueError: ``resident`` below 1.
     """
+    if resident < 1:
+        raise ValueError(f"preferred_persistent_programs needs resident >= 1, got {resident}")
     if (sm_count is None or format != "int4" or head_dim != 128 or streams != 1 or sparse_rows or stages != 2
             or overlap):
         return 0
-    wave = programs_per_wave(sm_count)
+    wave = programs_per_wave(sm_count, resident)
     rounds = -(-items // wave)
     if rounds < PERSISTENT_MIN_WAVES:
         return 0
