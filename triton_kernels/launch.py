@@ -3,7 +3,8 @@
 :func:`split_count` chooses the programs per (sequence, KV head). The page
 kernel holds 8 one-warp programs per SM for INT4 at head_dim 128 (its registers
 and shared memory both limit it there: ncu, ``bench/RESULTS.md``), 1056 on an
-H200 or H100, and 12 for one NVFP4 stream (:func:`resident_programs`); a
+H200 or H100, and 12 for one NVFP4 stream, fewer where its blocks' shared memory
+holds fewer (128-token pages, head_dim 256, an sm_120: :func:`resident_programs`); a
 program count just above a whole wave leaves most SMs idle for a second round
 (1152 programs took 1.4x the time of 2048 at B8 Hq32 Hkv8 T32K), so
 :func:`wave_fitted_splits` counts the rounds; each program pays a fixed start
