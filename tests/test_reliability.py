@@ -284,6 +284,9 @@ BAD_INPUTS = [
     ("launch.resident_programs: pages of no tokens", lambda: gluon_launch.resident_programs(page_size=0),
      ValueError, "resident_programs needs positive sizes, got head_dim=128, streams=1, stages=2, page_size=0, "
                  "value_group=64"),
+    ("launch.resident_programs: a format the kernel does not read",
+     lambda: gluon_launch.resident_programs(format="int8"), ValueError,
+     "resident_programs reads 'int4', 'nvfp4' or 'int4_rotated' pages, got format='int8'"),
     ("launch.register_resident_programs: no registers", lambda: gluon_launch.register_resident_programs(0),
      ValueError, "register_resident_programs needs positive sizes, got registers=0, warps=1"),
     ("launch.shared_resident_programs: negative shared memory", lambda: gluon_launch.shared_resident_programs(-1),

@@ -169,11 +169,14 @@ def resident_programs(*, format: str = "int4", head_dim: int = 128, streams: int
       int >= 1.
 
     Raises:
-      ValueError: ``head_dim``, ``streams``, ``stages``, ``page_size`` or ``value_group`` below 1.
+      ValueError: ``head_dim``, ``streams``, ``stages``, ``page_size`` or ``value_group`` below 1, or a
+        ``format`` the page kernel does not read.
     """
     if min(head_dim, streams, stages, page_size, value_group) < 1:
         raise ValueError(f"resident_programs needs positive sizes, got head_dim={head_dim}, streams={streams}, "
                          f"stages={stages}, page_size={page_size}, value_group={value_group}")
+    if format not in ("int4", "nvfp4", "int4_rotated"):
+        raise ValueError(f"resident_programs reads 'int4', 'nvfp4' or 'int4_rotated' pages, got format={format!r}")
     plain = streams == 1 and not sparse_rows and stages == PREFERRED_STAGES and not overlap
     by_registers = (RESIDENT_PROGRAMS.get((format, head_dim)) if plain else None) or PERSISTENT_BLOCKS_PER_SM
     block = pipelined_shared_bytes(stages=stages, head_dim=head_dim, page_size=page_size, format=format,
