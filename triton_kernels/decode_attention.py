@@ -478,22 +478,21 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
                                                 page_size=page_size, streams=streams_read,
                                                 sparse_rows=sparse_rows))
     capability = None if emulate else pallas_launch.local_capability()
+    sm_count = None if emulate else pallas_launch.local_sm_count()
+    # the pipelined kernel's sizes that set its shared memory (launch.pipelined_shared_bytes)
+    kernel_sizes = dict(format=loops[0].keys.format, head_dim=head_dim, page_size=page_size,
+                        value_group=loops[0].values.group_size, streams=streams_read, sparse_rows=sparse_rows,
+                        row_format=loops[dense].keys.format if sparse else "int4")
     if stages is None:
         stages = launch.preferred_stages(streams=streams_read, sparse_rows=sparse_rows, overlap=overlap) \
-            if capability is None else launch.pipelined_stages(
-                capability=capability, head_dim=head_dim, page_size=page_size, format=loops[0].keys.format,
-                value_group=loops[0].values.group_size, streams=streams_read, sparse_rows=sparse_rows,
-                overlap=overlap, row_format=loops[dense].keys.format if sparse else "int4")
+            if capability is None else launch.pipelined_stages(capability=capability, overlap=overlap,
+                                                               **kernel_sizes)
     if default_overlap and stages < 2:  # too little shared memory for a page in flight
         overlap = False
     # the waves of the kernel that runs: its programs an SM by registers and shared memory
-    resident = launch.resident_programs(
-        format=loops[0].keys.format, head_dim=head_dim, streams=streams_read, sparse_rows=sparse_rows,
-        stages=stages, overlap=overlap, page_size=page_size, value_group=loops[0].values.group_size,
-        row_format=loops[dense].keys.format if sparse else "int4", capability=capability) \
+    resident = launch.resident_programs(stages=stages, overlap=overlap, capability=capability, **kernel_sizes) \
         if pipelined else launch.PERSISTENT_BLOCKS_PER_SM
     if fitted:
-        sm_count = None if emulate else pallas_launch.local_sm_count()
         splits = launch.wave_fitted_splits(pairs, max_pages, splits, sm_count=sm_count,
                                            min_pages_per_split=min_pages_per_split, resident=resident)
     if merge is None:  # measured: bench/KERNEL_NOTES.md ("Splits, merges and the custom-call target at 48 calls")
@@ -510,7 +509,7 @@ def paged_decode_attention(queries, block_tables, bounds, streams, sink_keys, si
             format=loops[0].keys.format, head_dim=head_dim, streams=streams_read, sparse_rows=sparse_rows,
             stages=stages if pipelined else None, overlap=overlap,
             items=sequences * kv_heads * row_blocks * (splits + 1 if fused_windows else splits),
-            sm_count=None if emulate else pallas_launch.local_sm_count(), resident=resident)
+            sm_count=sm_count, resident=resident)
     if precise is None:
         precise = True
     if lazy is None:

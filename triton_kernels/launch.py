@@ -25,6 +25,7 @@ before its products).
 from __future__ import annotations
 
 from jflashloop_pallas_kernels import launch
+from jflashloop_pallas_kernels.decode_attention import FUSED_FORMATS
 
 TARGET_PROGRAMS = 2048  # about two waves of the page kernel on an H200 (132 SMs x 8 programs)
 WAVE_PROGRAMS = 1024  # about one wave: fewer programs leave SMs idle
@@ -175,7 +176,7 @@ def resident_programs(*, format: str = "int4", head_dim: int = 128, streams: int
     if min(head_dim, streams, stages, page_size, value_group) < 1:
         raise ValueError(f"resident_programs needs positive sizes, got head_dim={head_dim}, streams={streams}, "
                          f"stages={stages}, page_size={page_size}, value_group={value_group}")
-    if format not in ("int4", "nvfp4", "int4_rotated"):
+    if format not in FUSED_FORMATS:
         raise ValueError(f"resident_programs reads 'int4', 'nvfp4' or 'int4_rotated' pages, got format={format!r}")
     plain = streams == 1 and not sparse_rows and stages == PREFERRED_STAGES and not overlap
     by_registers = (RESIDENT_PROGRAMS.get((format, head_dim)) if plain else None) or PERSISTENT_BLOCKS_PER_SM
